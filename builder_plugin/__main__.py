@@ -1,0 +1,5 @@
+import sys
+
+from builder_plugin.cli import main
+
+sys.exit(main())

@@ -1,0 +1,163 @@
+"""The build pipeline: checkpoint folder -> four-model phi4mm package.
+
+config.json is parsed once, the checkpoint is indexed lazily and every tensor routed, then each selected component
+builds its graph(s), which are checked against the component's I/O spec, quantized for int4 and written with shared
+external data into a staging folder that replaces the output only when everything succeeded.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import resource
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from builder_plugin.checkpoint.reader import CheckpointReader
+from builder_plugin.checkpoint.routing import route_weights
+from builder_plugin.components.base import BUILDERS, ComponentBuilder
+from builder_plugin.components.spec import Component, IOSpec, check_io
+from builder_plugin.config import Phi4MMConfig, read_json
+from builder_plugin.errors import BuildError, InputError
+from builder_plugin.options import BuildOptions
+from builder_plugin.package import DATA_FILES, FILENAMES, OutputFolder, PackageWriter
+from genai_config import (
+    GENAI_CONFIG_FILE,
+    SPEECH_PROCESSOR_FILE,
+    VISION_PROCESSOR_FILE,
+    make_genai_config,
+    speech_processor_config,
+    vision_processor_config,
+    write_json,
+)
+from genai_config.processors import DEFAULT_DYNAMIC_HD
+
+BUILD_ORDER = (Component.VISION, Component.SPEECH, Component.EMBEDDING, Component.DECODER)
+COMPONENT_MODULES = {c: f"builder_plugin.components.{c.value}" for c in Component}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+                   "generation_config.json")
+# The runtime needs these three graphs to load a phi4mm package at all; speech is optional.
+RUNNABLE_MINIMUM = frozenset({Component.VISION, Component.EMBEDDING, Component.DECODER})
+
+
+@dataclass
+class BuildResult:
+    output_dir: Path
+    files: list[tuple[str, int]]
+    components: list[Component]
+    seconds: float
+    peak_rss_bytes: int
+    runnable: bool
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(size for _, size in self.files)
+
+
+def builder_class(component: Component) -> type[ComponentBuilder]:
+    if component not in BUILDERS:
+        try:
+            importlib.import_module(COMPONENT_MODULES[component])
+        except ModuleNotFoundError as exc:
+            if exc.name != COMPONENT_MODULES[component]:
+                raise
+            raise BuildError(f"the {component.value} model builder is not available in this version") from exc
+    return BUILDERS[component]
+
+
+def validate_options(options: BuildOptions, config: Phi4MMConfig) -> None:
+    if options.precision == "fp16" and options.execution_provider == "cpu":
+        raise InputError("fp16 builds are for -e cuda, dml or webgpu; on cpu use -p fp32 or -p int4")
+    wanted = {"vision": ["vision"], "speech": ["speech"], "vision+speech": ["vision", "speech"],
+              "routed": ["vision", "speech"], "none": []}[options.lora]
+    missing = [name for name in wanted if name not in config.loras]
+    if missing and Component.DECODER in options.components:
+        raise InputError(f"--lora {options.lora} needs the {' and '.join(missing)} LoRA, which this checkpoint lacks")
+    if options.merge_lora and options.lora not in ("vision", "speech"):
+        raise InputError("--merge-lora folds one adapter into the base weights: use it with --lora vision or speech")
+
+
+def check_tokenizer(model_dir: Path) -> None:
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise InputError(f"tokenizer not found: {path}")
+    try:
+        from tokenizers import Tokenizer
+
+        Tokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises its own exception types
+        raise InputError(f"cannot read tokenizer {path}: {str(exc).splitlines()[0] if str(exc) else exc}") from exc
+    if (model_dir / "tokenizer_config.json").is_file():
+        read_json(model_dir / "tokenizer_config.json", what="tokenizer config")
+
+
+def build(options: BuildOptions, progress: bool = True) -> BuildResult:
+    start = time.perf_counter()
+    config = Phi4MMConfig.from_dir(options.model_dir)
+    validate_options(options, config)
+    check_tokenizer(options.model_dir)
+    weights = route_weights(CheckpointReader(options.model_dir, config.source_format), config)
+    components = [c for c in BUILD_ORDER if c in options.components]
+    classes = {c: builder_class(c) for c in components}
+
+    folder = OutputFolder(options.output_dir, options.overwrite)
+    with folder as staging:
+        writer = PackageWriter(staging, progress=progress)
+        specs: dict[Component, IOSpec] = {}
+        filenames: dict[Component, str] = {}
+        for component in components:
+            builder = classes[component](config, options)
+            spec = builder.io_spec(config, options.io_dtype)
+            models = builder.build(weights[component])
+            for filename, model in models.items():
+                check_io(model, spec, filename)
+                if _quantized(component, options):
+                    from builder_plugin.quantize import quantize_matmuls
+
+                    model = quantize_matmuls(model, options.block_size, options.accuracy_level)
+                writer.save(model, filename, DATA_FILES[component])
+            specs[component] = spec
+            filenames[component] = FILENAMES[component]
+        runnable = RUNNABLE_MINIMUM <= set(components)
+        if runnable:
+            _write_runtime_configs(staging, config, options, specs, filenames)
+        for name in TOKENIZER_FILES:
+            if (options.model_dir / name).is_file():
+                shutil.copy(options.model_dir / name, staging / name)
+        files = sorted((p.name, p.stat().st_size) for p in staging.iterdir() if p.is_file())
+        folder.commit()
+    return BuildResult(
+        output_dir=folder.final,
+        files=files,
+        components=components,
+        seconds=time.perf_counter() - start,
+        peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        runnable=runnable,
+    )
+
+
+def _quantized(component: Component, options: BuildOptions) -> bool:
+    if not options.quantize:
+        return False
+    if component in (Component.VISION, Component.SPEECH):
+        return options.quantize_encoders
+    return component is Component.DECODER
+
+
+def _write_runtime_configs(folder: Path, config: Phi4MMConfig, options: BuildOptions,
+                           specs: dict[Component, IOSpec], filenames: dict[Component, str]) -> None:
+    generation = {}
+    if (options.model_dir / "generation_config.json").is_file():
+        generation = read_json(options.model_dir / "generation_config.json", what="generation config")
+    genai = make_genai_config(config, specs, filenames, options.execution_provider, options.max_length,
+                              generation=generation)
+    write_json(folder / GENAI_CONFIG_FILE, genai)
+    preprocessor = {}
+    if (options.model_dir / "preprocessor_config.json").is_file():
+        preprocessor = json.loads((options.model_dir / "preprocessor_config.json").read_text(encoding="utf-8"))
+    write_json(folder / VISION_PROCESSOR_FILE,
+               vision_processor_config(config.vision.crop_size, int(preprocessor.get("dynamic_hd", DEFAULT_DYNAMIC_HD))))
+    if Component.SPEECH in specs:
+        write_json(folder / SPEECH_PROCESSOR_FILE, speech_processor_config(config.audio.compression_rate))

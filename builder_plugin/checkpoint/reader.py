@@ -1,0 +1,146 @@
+"""Lazy, memory-mapped access to the tensors of a checkpoint folder.
+
+Nothing is read until a tensor is asked for, and then only that tensor. Shards are validated up front (present,
+readable header, every indexed tensor really in its shard) so a broken download fails before any work starts.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from builder_plugin.config import NATIVE_ADAPTER_DIRS, CheckpointFormat
+from builder_plugin.errors import CheckpointError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+ADAPTER_FILE = "adapter_model.safetensors"
+
+_TORCH_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "BOOL": torch.bool,
+}
+
+
+@lru_cache(maxsize=64)
+def _open(path: Path):  # noqa: ANN202 - safetensors returns an untyped handle
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as exc:  # safetensors raises bare Exceptions for broken files
+        raise CheckpointError(f"cannot read weights file {path.name}: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    """A tensor in a safetensors file, read on demand."""
+
+    name: str  # the name inside the file
+    file: Path
+    shape: tuple[int, ...]
+    dtype: str  # safetensors dtype code, e.g. "BF16"
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _TORCH_DTYPES[self.dtype].itemsize
+
+    def load(self, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
+        """The tensor, converted to `dtype` (bf16 -> fp32 is exact); None keeps the stored dtype."""
+        try:
+            tensor = _open(self.file).get_tensor(self.name)
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(f"cannot read tensor {self.name} from {self.file.name}: {exc}") from exc
+        return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
+
+
+class CheckpointReader(Mapping[str, TensorRef]):
+    """All tensors of a checkpoint folder by name.
+
+    For the native layout the PEFT adapter folders are read too; their tensors are named ``<folder>/<key>``
+    (e.g. ``vision-lora/base_model.model.model.layers.0.self_attn.qkv_proj.lora_A.weight``).
+    """
+
+    def __init__(self, model_dir: str | Path, source_format: CheckpointFormat = "original") -> None:
+        self.model_dir = Path(model_dir)
+        self._tensors: dict[str, TensorRef] = {}
+        for name, ref in _index_folder(self.model_dir).items():
+            self._tensors[name] = ref
+        if source_format == "native":
+            for folder in NATIVE_ADAPTER_DIRS.values():
+                adapter = self.model_dir / folder / ADAPTER_FILE
+                if adapter.is_file():
+                    for name, ref in _index_file(adapter).items():
+                        self._tensors[f"{folder}/{name}"] = ref
+
+    def __getitem__(self, name: str) -> TensorRef:
+        return self._tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(ref.nbytes for ref in self._tensors.values())
+
+
+def _index_folder(model_dir: Path) -> dict[str, TensorRef]:
+    index_path = model_dir / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"cannot read {index_path}: {exc}") from exc
+        shards = sorted(set(weight_map.values()))
+        missing = [s for s in shards if not (model_dir / s).is_file()]
+        if missing:
+            raise CheckpointError(f"missing weight shard(s) listed in {INDEX_FILE}: {', '.join(missing)}")
+        found: dict[str, TensorRef] = {}
+        for shard in shards:
+            found.update(_index_file(model_dir / shard))
+        absent = [name for name, shard in weight_map.items() if name not in found]
+        if absent:
+            raise CheckpointError(
+                f"{len(absent)} tensor(s) listed in {INDEX_FILE} are not in their shard, e.g. {absent[0]} "
+                f"(expected in {weight_map[absent[0]]})"
+            )
+        return found
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        return _index_file(single)
+    if not any(model_dir.glob("*.safetensors")):
+        raise CheckpointError(f"no safetensors weights in {model_dir} (expected {INDEX_FILE} or {SINGLE_FILE})")
+    found = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        found.update(_index_file(path))
+    return found
+
+
+def _index_file(path: Path) -> dict[str, TensorRef]:
+    handle = _open(path)
+    refs = {}
+    for name in handle.keys():
+        piece = handle.get_slice(name)
+        refs[name] = TensorRef(name=name, file=path, shape=tuple(piece.get_shape()), dtype=piece.get_dtype())
+    return refs

@@ -1,0 +1,168 @@
+"""Command line: `python -m builder_plugin -m microsoft/Phi-4-multimodal-instruct` (options mirror
+`python -m onnxruntime_genai.models.builder`)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+from builder_plugin.components.spec import Component
+from builder_plugin.errors import BuildError, InputError
+from builder_plugin.options import EXECUTION_PROVIDERS, LORA_CHOICES, PRECISIONS, BuildOptions
+
+COMPONENT_ALIASES: dict[str, frozenset[Component]] = {
+    "all": frozenset(Component),
+    "text": frozenset({Component.EMBEDDING, Component.DECODER}),
+    **{c.value: frozenset({c}) for c in Component},
+}
+
+
+def parse_components(text: str) -> frozenset[Component]:
+    chosen: set[Component] = set()
+    for part in (p.strip() for p in text.replace("+", ",").split(",")):
+        if part not in COMPONENT_ALIASES:
+            raise argparse.ArgumentTypeError(
+                f"unknown component {part!r} (choose from {', '.join(COMPONENT_ALIASES)})"
+            )
+        chosen |= COMPONENT_ALIASES[part]
+    return frozenset(chosen)
+
+
+def parse_extra_options(pairs: Sequence[str]) -> dict[str, str]:
+    options = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise InputError(f"--extra_options expects KEY=VALUE, got {pair!r}")
+        options[key.strip()] = value.strip()
+    return options
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m builder_plugin",
+        description="Build the four-model ONNX Runtime GenAI package (vision, speech, embedding, text decoder) of "
+        "Phi-4-multimodal-instruct, with genai_config.json and processor configs.",
+    )
+    src = p.add_argument_group("input and output")
+    src.add_argument("-m", "--model_name", help="Hugging Face model id (or a local folder), "
+                     "e.g. microsoft/Phi-4-multimodal-instruct; only the needed files are downloaded")
+    src.add_argument("-i", "--input", help="local checkpoint folder (original phi4mm or transformers-native "
+                     "phi4_multimodal layout); wins over -m")
+    src.add_argument("-o", "--output", help="output folder (default: <model>-<precision>-<provider> in the "
+                     "current folder); built in a temporary sibling and moved into place on success")
+    src.add_argument("-c", "--cache_dir", default="cache_dir", help="Hugging Face download cache (default: %(default)s)")
+    src.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    tgt = p.add_argument_group("target")
+    tgt.add_argument("-p", "--precision", choices=PRECISIONS, default="int4",
+                     help="fp32, fp16 (cuda/dml/webgpu) or int4 (MatMulNBits weights; default: %(default)s)")
+    tgt.add_argument("-e", "--execution_provider", choices=EXECUTION_PROVIDERS, default="cpu",
+                     help="execution provider the package targets (default: %(default)s); no GPU is needed to build")
+    tgt.add_argument("--extra_options", nargs="+", default=[], metavar="KEY=VALUE",
+                     help="passed to the GenAI builder for the decoder, e.g. block_size=32 accuracy_level=4 "
+                     "(block_size and accuracy_level also apply to the encoders' int4 weights)")
+    tgt.add_argument("--max-length", type=int, default=None,
+                     help="search.max_length written to genai_config.json: the preallocated KV cache length "
+                     "(default: min(16384, context length))")
+    plg = p.add_argument_group("plugin options")
+    plg.add_argument("--lora", choices=LORA_CHOICES, default="routed",
+                     help="LoRA handling: routed = one decoder per input mode sharing the base weights "
+                     "(text: none, image: vision, audio: speech; default); vision / speech / none = a single decoder "
+                     "with that choice; vision+speech = both adapters always added")
+    plg.add_argument("--merge-lora", action="store_true",
+                     help="fold the single adapter of --lora vision|speech into the base weights (fastest decoder)")
+    plg.add_argument("--components", type=parse_components, default=COMPONENT_ALIASES["all"],
+                     help="comma-separated subset to build: vision, speech, embedding, decoder, text "
+                     "(= embedding+decoder) or all (default). A runnable package needs vision and text.")
+    plg.add_argument("--float-encoders", action="store_true",
+                     help="with -p int4, keep the vision and speech encoders in float")
+    plg.add_argument("--list-routes", action="store_true",
+                     help="print where every checkpoint tensor goes (component and name) and exit")
+    plg.add_argument("--no-progress", action="store_true", help="no progress bars")
+    plg.add_argument("-v", "--verbose", action="store_true", help="show tracebacks and debug logging")
+    return p
+
+
+def default_output(model_dir: Path, model_name: str | None, precision: str, provider: str) -> Path:
+    base = (model_name or str(model_dir)).rstrip("/").split("/")[-1] or "model"
+    return Path.cwd() / f"{base}-{precision}-{provider}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(message)s")
+    try:
+        return _run(args)
+    except BuildError as exc:
+        return _fail(str(exc), args.verbose)
+    except KeyboardInterrupt:
+        return _fail("interrupted; nothing was written (any existing output is unchanged)", args.verbose)
+    except Exception as exc:  # anything unexpected still gets one line unless --verbose
+        return _fail(f"{type(exc).__name__}: {exc} (run with --verbose for details)", args.verbose)
+
+
+def _fail(message: str, verbose: bool) -> int:
+    if verbose:
+        traceback.print_exc()
+    print(f"error: {message}", file=sys.stderr)
+    return 1
+
+
+def _run(args: argparse.Namespace) -> int:
+    from builder_plugin.hub import resolve_model_dir
+
+    model_dir = resolve_model_dir(args.model_name, args.input, Path(args.cache_dir))
+    if args.list_routes:
+        from builder_plugin.checkpoint.routing import describe_routes
+        from builder_plugin.config import Phi4MMConfig
+
+        print(describe_routes(Phi4MMConfig.from_dir(model_dir)))
+        return 0
+    if args.max_length is not None and args.max_length <= 0:
+        raise InputError("--max-length must be positive")
+    output = Path(args.output) if args.output else default_output(
+        model_dir, args.model_name if not args.input else None, args.precision, args.execution_provider)
+    options = BuildOptions(
+        model_dir=model_dir,
+        output_dir=output,
+        precision=args.precision,
+        execution_provider=args.execution_provider,
+        cache_dir=Path(args.cache_dir),
+        components=args.components,
+        lora=args.lora,
+        merge_lora=args.merge_lora,
+        quantize_encoders=not args.float_encoders,
+        max_length=args.max_length,
+        overwrite=args.overwrite,
+        extra_options=parse_extra_options(args.extra_options),
+    )
+    from builder_plugin.build import build
+
+    result = build(options, progress=not args.no_progress)
+    _print_summary(result)
+    return 0
+
+
+def _print_summary(result) -> None:  # noqa: ANN001 - BuildResult, imported lazily
+    width = max(len(name) for name, _ in result.files)
+    for name, size in result.files:
+        print(f"  {name:<{width}}  {_human(size):>9}")
+    built = ", ".join(c.value for c in result.components)
+    print(f"built {built} in {result.seconds:.1f} s, peak memory {_human(result.peak_rss_bytes)}, "
+          f"{len(result.files)} files, {_human(result.total_bytes)}")
+    if result.runnable:
+        print(f"package ready: {result.output_dir}")
+    else:
+        print(f"wrote {result.output_dir} (graphs only: onnxruntime-genai needs vision and text to run a package)")
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"

@@ -1,0 +1,39 @@
+"""The component-builder contract: each graph of the package is built by one subclass, which owns its I/O spec."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import ClassVar
+
+import onnx_ir as ir
+
+from builder_plugin.checkpoint.reader import TensorRef
+from builder_plugin.components.spec import Component, IOSpec
+from builder_plugin.config import Phi4MMConfig
+from builder_plugin.options import BuildOptions
+
+BUILDERS: dict[Component, type["ComponentBuilder"]] = {}
+
+
+class ComponentBuilder(ABC):
+    component: ClassVar[Component]
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "component" not in cls.__dict__:
+            raise TypeError(f"{cls.__name__} must declare its `component`")
+        BUILDERS[cls.component] = cls
+
+    def __init__(self, config: Phi4MMConfig, options: BuildOptions) -> None:
+        self.config = config
+        self.options = options
+
+    @classmethod
+    @abstractmethod
+    def io_spec(cls, config: Phi4MMConfig, io_dtype: str) -> IOSpec:
+        """Names, dtypes and symbolic shapes of the graph's inputs and outputs."""
+
+    @abstractmethod
+    def build(self, weights: Mapping[str, TensorRef]) -> dict[str, ir.Model]:
+        """Build the graph(s) from the routed weights (local name -> tensor); returns file name -> model."""

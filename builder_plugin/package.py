@@ -1,0 +1,156 @@
+"""Writing a package: file names, shared external data, and the all-or-nothing output folder.
+
+Every graph's initializers go to an external data file, one tensor at a time (lazy tensors are computed, written and
+released), and a tensor whose bytes are already in that file is not written again — so the decoder variants, which
+share their base weights, store them once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import onnx_ir as ir
+from tqdm import tqdm
+
+from builder_plugin.components.spec import Component
+from builder_plugin.errors import OutputError
+
+FILENAMES: dict[Component, str] = {
+    Component.VISION: "phi-4-mm-vision.onnx",
+    Component.SPEECH: "phi-4-mm-speech.onnx",
+    Component.EMBEDDING: "phi-4-mm-embedding.onnx",
+    Component.DECODER: "phi-4-mm-text.onnx",
+}
+
+# The embedding and every decoder variant share one data file, so tensors they have in common are stored once.
+DATA_FILES: dict[Component, str] = {
+    Component.VISION: "phi-4-mm-vision.onnx.data",
+    Component.SPEECH: "phi-4-mm-speech.onnx.data",
+    Component.EMBEDDING: "phi-4-mm-text.onnx.data",
+    Component.DECODER: "phi-4-mm-text.onnx.data",
+}
+
+INLINE_LIMIT_BYTES = 1024  # smaller initializers (shape constants, scalars) stay inside the .onnx file
+_ALIGNMENT = 64
+
+
+@dataclass
+class ExternalDataStore:
+    """An append-only external data file that writes identical tensors once."""
+
+    path: Path
+    written_bytes: int = 0
+    reused_bytes: int = 0
+    _index: dict[tuple, tuple[int, int]] = field(default_factory=dict)
+    _size: int = 0
+
+    def put(self, tensor: ir.TensorProtocol) -> tuple[int, int]:
+        """Append `tensor` unless the same bytes (same dtype and shape) are stored already; returns (offset, length)."""
+        data = tensor.tobytes()
+        key = (tensor.dtype, tuple(tensor.shape), hashlib.blake2b(data, digest_size=20).digest())
+        found = self._index.get(key)
+        if found is not None:
+            self.reused_bytes += len(data)
+            return found
+        offset = -(-self._size // _ALIGNMENT) * _ALIGNMENT
+        with open(self.path, "ab") as f:
+            if offset > self._size:
+                f.write(b"\0" * (offset - self._size))
+            f.write(data)
+        self._size = offset + len(data)
+        self.written_bytes += len(data)
+        self._index[key] = (offset, len(data))
+        return offset, len(data)
+
+
+def _initializers(graph: ir.Graph) -> Iterator[ir.Value]:
+    yield from graph.initializers.values()
+    for node in ir.traversal.RecursiveGraphIterator(graph):
+        for attr in node.attributes.values():
+            if isinstance(attr, ir.Attr) and attr.type == ir.AttributeType.GRAPH:
+                yield from _initializers(attr.value)
+
+
+class PackageWriter:
+    """Saves graphs into a folder, with one ExternalDataStore per data file."""
+
+    def __init__(self, folder: Path, progress: bool = True) -> None:
+        self.folder = folder
+        self.progress = progress
+        self.stores: dict[str, ExternalDataStore] = {}
+        self.files: list[Path] = []
+
+    def store(self, data_file: str) -> ExternalDataStore:
+        if data_file not in self.stores:
+            self.stores[data_file] = ExternalDataStore(self.folder / data_file)
+            self.files.append(self.folder / data_file)
+        return self.stores[data_file]
+
+    def save(self, model: ir.Model, filename: str, data_file: str) -> Path:
+        store = self.store(data_file)
+        values = [v for v in _initializers(model.graph) if v.const_value is not None]
+        large = [v for v in values if v.const_value.nbytes > INLINE_LIMIT_BYTES]
+        total = sum(v.const_value.nbytes for v in large)
+        with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {filename}", leave=False,
+                  disable=not self.progress) as bar:
+            for value in large:
+                tensor = value.const_value
+                offset, length = store.put(tensor)
+                value.const_value = ir.ExternalTensor(
+                    location=data_file, offset=offset, length=length, dtype=tensor.dtype, shape=tensor.shape,
+                    name=value.name, base_dir=self.folder,
+                )
+                bar.update(length)
+        path = self.folder / filename
+        ir.save(model, path)
+        self.files.append(path)
+        return path
+
+
+class OutputFolder:
+    """Build into a hidden sibling folder and move it into place only on success.
+
+    A failed or interrupted build removes the partial folder and leaves any existing output untouched; an existing
+    non-empty output is replaced only with `overwrite`.
+    """
+
+    def __init__(self, final: Path, overwrite: bool) -> None:
+        self.final = final.resolve()
+        self.overwrite = overwrite
+        self.staging = self.final.parent / f".{self.final.name}.partial-{os.getpid()}"
+        self._committed = False
+
+    def check(self) -> None:
+        if self.final.exists() and not self.final.is_dir():
+            raise OutputError(f"output path {self.final} exists and is not a folder")
+        if self.final.is_dir() and any(self.final.iterdir()) and not self.overwrite:
+            raise OutputError(f"output folder {self.final} is not empty (use --overwrite to replace it)")
+
+    def __enter__(self) -> Path:
+        self.check()
+        try:
+            self.final.parent.mkdir(parents=True, exist_ok=True)
+            if self.staging.exists():
+                shutil.rmtree(self.staging)
+            self.staging.mkdir()
+        except OSError as exc:
+            raise OutputError(f"cannot create the output folder next to {self.final}: {exc}") from exc
+        return self.staging
+
+    def commit(self) -> None:
+        backup = self.final.parent / f".{self.final.name}.old-{os.getpid()}"
+        if self.final.exists():
+            os.replace(self.final, backup)
+        os.replace(self.staging, self.final)
+        self._committed = True
+        if backup.exists():
+            shutil.rmtree(backup, ignore_errors=True)
+
+    def __exit__(self, *exc_info: object) -> None:
+        if not self._committed:
+            shutil.rmtree(self.staging, ignore_errors=True)

@@ -1,0 +1,123 @@
+"""Run onnxruntime-genai's real phi4mm MultiModalProcessor without a built package.
+
+The processor only needs a loadable phi4mm folder (for the graph input dtypes), the processor JSONs and the tokenizer.
+`processor_inputs` writes a stub folder with placeholder graphs of the right I/O once per (tokenizer, dtype, hidden
+size) and returns the tensors the runtime would feed the vision, speech and embedding graphs, as numpy arrays.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+from builder_plugin.components.spec import Component, IOSpec, TensorSpec
+from builder_plugin.config import Phi4MMConfig
+from builder_plugin.graph import GraphBuilder
+from genai_config import (
+    GENAI_CONFIG_FILE,
+    SPEECH_PROCESSOR_FILE,
+    VISION_PROCESSOR_FILE,
+    make_genai_config,
+    speech_processor_config,
+    vision_processor_config,
+    write_json,
+)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+
+_STUB_DIRS: dict[tuple[str, str], Path] = {}
+
+
+def stub_specs(config: Phi4MMConfig, io_dtype: str) -> dict[Component, IOSpec]:
+    """One-layer stand-ins with the runtime's tensor names (the processor reads only the input dtypes)."""
+    h = config.text.hidden_size
+    p = config.vision.patches_per_side
+    s = config.vision.image_size
+    kv = ("batch_size", 1, "past_sequence_length", 8)
+    return {
+        Component.VISION: IOSpec(
+            inputs=(TensorSpec("pixel_values", io_dtype, ("num_images", "max_crops", 3, s, s)),
+                    TensorSpec("image_attention_mask", io_dtype, ("num_images", "max_crops", p, p), "attention_mask"),
+                    TensorSpec("image_sizes", "int64", ("num_images", 2))),
+            outputs=(TensorSpec("image_features", io_dtype, ("num_image_tokens", h)),)),
+        Component.SPEECH: IOSpec(
+            inputs=(TensorSpec("audio_embeds", io_dtype, ("num_audios", "num_frames", config.audio.input_size)),
+                    TensorSpec("audio_attention_mask", "bool", ("num_audios", "num_frames"), "attention_mask"),
+                    TensorSpec("audio_sizes", "int64", ("num_audios",)),
+                    TensorSpec("audio_projection_mode", "int64", (1,))),
+            outputs=(TensorSpec("audio_features", io_dtype, ("num_audio_tokens", h)),)),
+        Component.EMBEDDING: IOSpec(
+            inputs=(TensorSpec("input_ids", "int64", ("batch_size", "sequence_length")),
+                    TensorSpec("image_features", io_dtype, ("num_image_tokens", h)),
+                    TensorSpec("audio_features", io_dtype, ("num_audio_tokens", h))),
+            outputs=(TensorSpec("inputs_embeds", io_dtype, ("batch_size", "sequence_length", h)),)),
+        Component.DECODER: IOSpec(
+            inputs=(TensorSpec("inputs_embeds", io_dtype, ("batch_size", "sequence_length", h)),
+                    TensorSpec("attention_mask", "int64", ("batch_size", "total_sequence_length")),
+                    TensorSpec("past_key_values.0.key", io_dtype, kv),
+                    TensorSpec("past_key_values.0.value", io_dtype, kv)),
+            outputs=(TensorSpec("logits", io_dtype, ("batch_size", "sequence_length", config.text.vocab_size)),
+                     TensorSpec("present.0.key", io_dtype, kv),
+                     TensorSpec("present.0.value", io_dtype, kv))),
+    }
+
+
+def _stub_graph(name: str, spec: IOSpec) -> ir.Model:
+    g = GraphBuilder(name, spec)
+    first = g.inputs[spec.inputs[0].name]
+    for out in spec.outputs:
+        dims = [d if isinstance(d, int) else 1 for d in out.shape]
+        zeros = g.op("ConstantOfShape", g.const(dims), value=ir.tensor(np.zeros(1, dtype=np.float32)))
+        if out.dtype != "float32":
+            zeros = g.op("Cast", zeros, to=out.onnx_dtype)
+        g.output(out.name, zeros if first is None else zeros)
+    return g.model()
+
+
+def stub_package(config: Phi4MMConfig, tokenizer_dir: Path, out_dir: Path, io_dtype: str = "float32") -> Path:
+    specs = stub_specs(config, io_dtype)
+    filenames = {c: f"stub-{c.value}.onnx" for c in specs}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for component, spec in specs.items():
+        ir.save(_stub_graph(component.value, spec), out_dir / filenames[component])
+    genai = make_genai_config(config, specs, filenames, share_kv_buffer=False, max_length=4096)
+    write_json(out_dir / GENAI_CONFIG_FILE, genai)
+    write_json(out_dir / VISION_PROCESSOR_FILE, vision_processor_config(config.vision.crop_size))
+    write_json(out_dir / SPEECH_PROCESSOR_FILE, speech_processor_config(config.audio.compression_rate))
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copy(tokenizer_dir / name, out_dir / name)
+    return out_dir
+
+
+def processor_inputs(
+    checkpoint_dir: str | Path,
+    prompt: str,
+    images: Sequence[str | Path] = (),
+    audios: Sequence[str | Path] = (),
+    io_dtype: str = "float32",
+) -> dict[str, np.ndarray]:
+    """The tensors onnxruntime-genai's phi4mm processor makes for this prompt and media, as numpy arrays
+    (int64 where the runtime uses int64; input_ids as the processor emits them)."""
+    import onnxruntime_genai as og
+
+    checkpoint_dir = Path(checkpoint_dir)
+    key = (str(checkpoint_dir.resolve()), io_dtype)
+    if key not in _STUB_DIRS:
+        config = Phi4MMConfig.from_dir(checkpoint_dir)
+        _STUB_DIRS[key] = stub_package(config, checkpoint_dir, Path(tempfile.mkdtemp(prefix="phi4mm-stub-")), io_dtype)
+    model = og.Model(str(_STUB_DIRS[key]))
+    processor = model.create_multimodal_processor()
+    og_images = og.Images.open(*[str(p) for p in images]) if images else None
+    og_audios = og.Audios.open(*[str(p) for p in audios]) if audios else None
+    named = processor(prompt, images=og_images, audios=og_audios)
+    out = {}
+    for name in named.keys():
+        array = named[name].as_numpy()
+        out[name] = array.astype(np.int64) if array.dtype.kind == "i" and array.dtype.itemsize == 8 else array
+    return out

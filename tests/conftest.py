@@ -1,0 +1,59 @@
+"""Shared fixtures: one tiny generated checkpoint per test session, its config, routed weights, reference and media."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from builder_plugin.checkpoint.reader import CheckpointReader
+from builder_plugin.checkpoint.routing import route_weights
+from builder_plugin.config import Phi4MMConfig
+
+TINY_SEED = 0
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from builder_plugin.testing.make_checkpoint import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", preset="tiny", seed=TINY_SEED)
+
+
+@pytest.fixture(scope="session")
+def tiny_native_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from builder_plugin.testing.make_checkpoint import make_checkpoint
+
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-native", preset="tiny", seed=TINY_SEED, fmt="native")
+
+
+@pytest.fixture(scope="session")
+def tiny_config(tiny_checkpoint: Path) -> Phi4MMConfig:
+    return Phi4MMConfig.from_dir(tiny_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def tiny_weights(tiny_checkpoint: Path, tiny_config: Phi4MMConfig):
+    return route_weights(CheckpointReader(tiny_checkpoint, tiny_config.source_format), tiny_config)
+
+
+@pytest.fixture(scope="session")
+def reference(tiny_checkpoint: Path):
+    from builder_plugin.testing.reference import Reference
+
+    return Reference.load(tiny_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from builder_plugin.testing.media import make_image, make_wav
+
+    folder = tmp_path_factory.mktemp("media")
+    for name, (w, h) in {"square.png": (448, 448), "wide.jpg": (640, 360), "tall.png": (300, 900),
+                         "tiny.png": (50, 50), "strip.jpg": (2000, 200), "photo.jpg": (4000, 3000)}.items():
+        make_image(folder / name, w, h, seed=len(name))
+    for name, (seconds, rate) in {"clip_0_5s.wav": (0.5, 16000), "clip_2s.wav": (2.0, 16000),
+                                  "clip_12s.wav": (12.0, 16000), "clip_2s_8k.wav": (2.0, 8000),
+                                  "clip_3s_48k.wav": (3.0, 48000), "clip_45s.wav": (45.0, 16000)}.items():
+        make_wav(folder / name, seconds, sample_rate=rate, seed=len(name))
+    return folder

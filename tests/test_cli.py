@@ -1,0 +1,164 @@
+"""Command line behaviour: help, and every bad input gives one line, exit code 1 and loses nothing."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from builder_plugin import cli
+from builder_plugin.components.spec import Component, IOSpec
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """The CLI in this process (fast); `python -m builder_plugin` itself is exercised by test_help."""
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = cli.main(list(args))
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> None:
+    assert result.returncode == 1, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("error: ") and "Traceback" not in result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def partial_folders(parent: Path) -> list[Path]:
+    return [p for p in parent.iterdir() if ".partial-" in p.name]
+
+
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    """A copy whose big shards are symlinks (tests below only break small files)."""
+    dst.mkdir()
+    for item in src.iterdir():
+        if item.is_file() and item.stat().st_size > 10_000_000:
+            (dst / item.name).symlink_to(item)
+        elif item.is_file():
+            shutil.copy(item, dst / item.name)
+    return dst
+
+
+def test_help_documents_every_option() -> None:
+    result = subprocess.run([sys.executable, "-m", "builder_plugin", "--help"], capture_output=True, text=True,
+                            env=ENV, timeout=300)
+    assert result.returncode == 0
+    for action in cli.make_parser()._actions:
+        for flag in action.option_strings:
+            assert flag in result.stdout, flag
+        if action.option_strings and action.help:
+            assert action.help.split()[0] in result.stdout
+
+
+def test_nonexistent_input_folder(tmp_path: Path) -> None:
+    assert_one_line_error(run_cli("-i", str(tmp_path / "nope"), "-o", str(tmp_path / "out")), "not found")
+
+
+def test_unknown_hub_id(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = run_cli("-m", "nobody/no-such-model-xyz", "-c", str(tmp_path / "cache"), "-o", str(tmp_path / "out"))
+    assert_one_line_error(result, "nobody/no-such-model-xyz")
+    assert not (tmp_path / "out").exists()
+
+
+def test_non_phi4mm_config(tmp_path: Path) -> None:
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps({"model_type": "llama",
+                                                                 "architectures": ["LlamaForCausalLM"]}))
+    result = run_cli("-i", str(tmp_path / "llama"), "-o", str(tmp_path / "out"))
+    assert_one_line_error(result, "not a Phi-4-multimodal checkpoint", "llama")
+
+
+def test_missing_shard(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    ckpt = copy_checkpoint(tiny_checkpoint, tmp_path / "ckpt")
+    shard = sorted(ckpt.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    assert_one_line_error(run_cli("-i", str(ckpt), "-o", str(tmp_path / "out")), shard.name)
+    assert not (tmp_path / "out").exists() and not partial_folders(tmp_path)
+
+
+def test_truncated_safetensors(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    ckpt = copy_checkpoint(tiny_checkpoint, tmp_path / "ckpt")
+    shard = sorted(ckpt.glob("model-*.safetensors"), key=lambda p: p.stat().st_size)[0]
+    data = shard.read_bytes()
+    shard.unlink()
+    shard.write_bytes(data[: len(data) * 2 // 3])
+    assert_one_line_error(run_cli("-i", str(ckpt), "-o", str(tmp_path / "out")), shard.name)
+
+
+def test_tensor_of_the_wrong_shape(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    ckpt = copy_checkpoint(tiny_checkpoint, tmp_path / "ckpt")
+    raw = json.loads((ckpt / "config.json").read_text())
+    raw["audio_processor"]["config"]["linear_units"] += 2  # the checkpoint's FFN weights no longer fit
+    (ckpt / "config.json").write_text(json.dumps(raw))
+    assert_one_line_error(run_cli("-i", str(ckpt), "-o", str(tmp_path / "out")), "has shape", "feed_forward")
+
+
+def test_unreadable_tokenizer(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    ckpt = copy_checkpoint(tiny_checkpoint, tmp_path / "ckpt")
+    (ckpt / "tokenizer.json").write_text('{"model": {"type": "BPE", "vocab": 12}}')
+    assert_one_line_error(run_cli("-i", str(ckpt), "-o", str(tmp_path / "out")), "tokenizer")
+
+
+def test_non_empty_output_is_refused_and_untouched(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert_one_line_error(run_cli("-i", str(tiny_checkpoint), "-o", str(out)), "not empty", "--overwrite")
+    assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
+
+
+class _FailingBuilder:
+    """Stands in for a component builder and fails halfway through the build."""
+
+    error: BaseException = RuntimeError("boom")
+
+    def __init__(self, config, options) -> None:  # noqa: ANN001
+        pass
+
+    @classmethod
+    def io_spec(cls, config, io_dtype) -> IOSpec:  # noqa: ANN001
+        return IOSpec(inputs=(), outputs=())
+
+    def build(self, weights):  # noqa: ANN001
+        raise self.error
+
+
+@pytest.mark.parametrize("error", [RuntimeError("boom in the middle"), KeyboardInterrupt()])
+def test_failure_mid_build_leaves_nothing_behind(tmp_path: Path, tiny_checkpoint: Path, monkeypatch, capsys,
+                                                 error: BaseException) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("previous package")
+    monkeypatch.setattr(_FailingBuilder, "error", error)
+    monkeypatch.setattr("builder_plugin.build.builder_class", lambda component: _FailingBuilder)
+    code = cli.main(["-i", str(tiny_checkpoint), "-o", str(out), "--overwrite", "--no-progress"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and err.startswith("error: ") and "Traceback" not in err
+    assert [p.name for p in out.iterdir()] == ["old.txt"]
+    assert not partial_folders(tmp_path)
+
+
+def test_verbose_shows_the_traceback(tmp_path: Path) -> None:
+    result = run_cli("-i", str(tmp_path / "nope"), "-o", str(tmp_path / "out"), "--verbose")
+    assert result.returncode == 1 and "Traceback" in result.stderr and "error: " in result.stderr
+
+
+def test_components_option_parses_aliases() -> None:
+    assert cli.parse_components("text,vision") == {Component.EMBEDDING, Component.DECODER, Component.VISION}
+    assert cli.parse_components("all") == set(Component)
+    with pytest.raises(Exception, match="unknown component"):
+        cli.parse_components("audio")

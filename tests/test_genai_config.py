@@ -1,0 +1,53 @@
+import json
+from pathlib import Path
+
+import onnxruntime_genai as og
+import pytest
+
+from builder_plugin.components.spec import Component
+from builder_plugin.testing.processor import stub_package, stub_specs
+from genai_config import make_genai_config, speech_processor_config, vision_processor_config
+
+
+def test_config_names_come_from_the_specs(tiny_config) -> None:
+    specs = stub_specs(tiny_config, "float32")
+    files = {c: f"{c.value}.onnx" for c in specs}
+    cfg = make_genai_config(tiny_config, specs, files, "cpu")
+    model = cfg["model"]
+    assert model["type"] == "phi4mm"
+    assert model["vision"]["inputs"] == {"pixel_values": "pixel_values", "attention_mask": "image_attention_mask",
+                                         "image_sizes": "image_sizes"}
+    assert model["speech"]["inputs"]["attention_mask"] == "audio_attention_mask"
+    assert model["decoder"]["inputs"]["past_key_names"] == "past_key_values.%d.key"
+    assert model["decoder"]["outputs"]["present_value_names"] == "present.%d.value"
+    assert model["eos_token_id"] == [200020, 199999]
+    assert cfg["search"]["max_length"] == 16384 and cfg["search"]["max_length"] <= model["context_length"]
+    cuda = make_genai_config(tiny_config, specs, files, "cuda", max_length=2048)
+    assert cuda["model"]["decoder"]["session_options"]["provider_options"] == [{"cuda": {"enable_cuda_graph": "0"}}]
+    assert cuda["search"]["max_length"] == 2048
+    with pytest.raises(ValueError, match="context length"):
+        make_genai_config(tiny_config, specs, files, "cpu", max_length=10**7)
+
+
+def test_runtime_loads_full_and_speechless_configs(tmp_path: Path, tiny_config, tiny_checkpoint: Path) -> None:
+    folder = stub_package(tiny_config, tiny_checkpoint, tmp_path / "pkg")
+    config = og.Config(str(folder))
+    model = og.Model(config)
+    assert model.type == "phi4mm"
+    model.create_multimodal_processor()
+
+    specs = stub_specs(tiny_config, "float32")
+    specs.pop(Component.SPEECH)
+    cfg = make_genai_config(tiny_config, specs, {c: f"stub-{c.value}.onnx" for c in specs}, "cpu",
+                            share_kv_buffer=False)
+    assert cfg["model"]["speech"] == {"config_filename": ""}
+    (folder / "genai_config.json").write_text(json.dumps(cfg))
+    og.Model(str(folder)).create_multimodal_processor()
+
+
+def test_processor_configs_have_aligners_and_no_30s_cap() -> None:
+    vision = vision_processor_config(448)
+    assert vision["processor"]["output_aligner"] == "phi4-vision-aligner"
+    speech = speech_processor_config(8)
+    assert speech["feature_extraction"]["output_aligner"] == "phi4-audio-aligner"
+    assert speech["feature_extraction"]["sequence"][0]["operation"]["attrs"]["max_samples"] == 0

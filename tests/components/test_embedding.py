@@ -1,0 +1,173 @@
+"""The embedding graph against the PyTorch reference (transformers' native token embedding + placeholder scatter)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from builder_plugin.components.embedding import (
+    EMBEDDING_FILENAME,
+    TABLE_LAYOUTS,
+    TOKEN_TABLE,
+    TRANSPOSED_TOKEN_TABLE,
+    EmbeddingBuilder,
+)
+from builder_plugin.components.spec import Component, check_io
+from builder_plugin.options import BuildOptions
+from builder_plugin.package import PackageWriter
+
+DATA_FILE = "phi-4-mm-text.onnx.data"
+
+
+def _options(checkpoint: Path, precision: str = "fp32") -> BuildOptions:
+    provider = "cuda" if precision == "fp16" else "cpu"
+    return BuildOptions(model_dir=checkpoint, output_dir=checkpoint / "unused", precision=precision,
+                        execution_provider=provider)
+
+
+def _save(builder: EmbeddingBuilder, weights, folder: Path) -> Path:
+    models = builder.build(weights)
+    assert list(models) == [EMBEDDING_FILENAME]
+    check_io(models[EMBEDDING_FILENAME], builder.io_spec(builder.config, builder.options.io_dtype), EMBEDDING_FILENAME)
+    return PackageWriter(folder, progress=False).save(models[EMBEDDING_FILENAME], EMBEDDING_FILENAME, DATA_FILE)
+
+
+@pytest.fixture(scope="module", params=TABLE_LAYOUTS)
+def session(request, tiny_checkpoint, tiny_config, tiny_weights, tmp_path_factory) -> ort.InferenceSession:
+    builder = EmbeddingBuilder(tiny_config, _options(tiny_checkpoint), table_layout=request.param)
+    path = _save(builder, tiny_weights[Component.EMBEDDING], tmp_path_factory.mktemp(f"embedding-{request.param}"))
+    return ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+
+
+def _case(config, rng: np.random.Generator, batch: int, seq: int, image_rows: int, audio_rows: int):
+    """Random text ids with the placeholders at random positions, and random feature rows of the right counts."""
+    hidden = config.text.hidden_size
+    ids = rng.integers(0, config.text.vocab_size, size=(batch, seq), dtype=np.int64)
+    ids[np.isin(ids, (config.image_token_id, config.audio_token_id))] = 0
+    slots = rng.permutation(batch * seq)[: image_rows + audio_rows]
+    flat = ids.reshape(-1)
+    flat[slots[:image_rows]] = config.image_token_id
+    flat[slots[image_rows:]] = config.audio_token_id
+    image = rng.standard_normal((image_rows, hidden)).astype(np.float32)
+    audio = rng.standard_normal((audio_rows, hidden)).astype(np.float32)
+    return ids, image, audio
+
+
+CASES = {
+    "text": (1, 37, 0, 0),
+    "image": (1, 60, 23, 0),
+    "audio": (1, 50, 0, 17),
+    "image+audio": (1, 90, 31, 19),
+    "image+audio, batch 2": (2, 40, 21, 13),
+    "decode step": (1, 1, 0, 0),
+    "all placeholders": (1, 12, 7, 5),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_reference_exactly(session, tiny_config, reference, case):
+    rng = np.random.default_rng(sum(map(ord, case)))
+    ids, image, audio = _case(tiny_config, rng, *CASES[case])
+    (got,) = session.run(None, {"input_ids": ids, "image_features": image, "audio_features": audio})
+    expected = reference.embeddings(
+        torch.from_numpy(ids),
+        torch.from_numpy(image) if len(image) else None,
+        torch.from_numpy(audio) if len(audio) else None,
+    ).numpy()
+    assert got.dtype == np.float32 and got.shape == expected.shape
+    assert np.abs(got - expected).max() == 0
+
+
+def test_feature_rows_go_in_order(session, tiny_config):
+    """Row k of the features lands on the k-th placeholder (row-major over batch, then sequence)."""
+    ids, image, audio = _case(tiny_config, np.random.default_rng(3), 2, 30, 11, 9)
+    (got,) = session.run(None, {"input_ids": ids, "image_features": image, "audio_features": audio})
+    np.testing.assert_array_equal(got[ids == tiny_config.image_token_id], image)
+    np.testing.assert_array_equal(got[ids == tiny_config.audio_token_id], audio)
+
+
+def test_count_mismatch_is_an_error(session, tiny_config):
+    ids, image, audio = _case(tiny_config, np.random.default_rng(4), 1, 20, 5, 0)
+    with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument, match="ScatterND"):
+        session.run(None, {"input_ids": ids, "image_features": image[:4], "audio_features": audio})
+
+
+def test_io_spec(tiny_config):
+    spec = EmbeddingBuilder.io_spec(tiny_config, "float16")
+    hidden = tiny_config.text.hidden_size
+    assert [(t.name, t.dtype, t.shape) for t in spec.inputs] == [
+        ("input_ids", "int64", ("batch_size", "sequence_length")),
+        ("image_features", "float16", ("num_image_tokens", hidden)),
+        ("audio_features", "float16", ("num_audio_tokens", hidden)),
+    ]
+    assert [(t.name, t.dtype, t.shape) for t in spec.outputs] == [
+        ("inputs_embeds", "float16", ("batch_size", "sequence_length", hidden)),
+    ]
+
+
+def test_default_layout_follows_precision(tiny_checkpoint, tiny_config):
+    assert EmbeddingBuilder(tiny_config, _options(tiny_checkpoint, "fp32")).table_layout == "transposed"
+    assert EmbeddingBuilder(tiny_config, _options(tiny_checkpoint, "fp16")).table_layout == "transposed"
+    assert EmbeddingBuilder(tiny_config, _options(tiny_checkpoint, "int4")).table_layout == "rows"
+
+
+def test_transposed_table_is_the_lm_head_weight(tiny_checkpoint, tiny_config, tiny_weights, reference):
+    """The stored table is embed_tokens.weight^T, the bytes of the tied lm_head MatMul weight [hidden, vocab]."""
+    builder = EmbeddingBuilder(tiny_config, _options(tiny_checkpoint), table_layout="transposed")
+    model = builder.build(tiny_weights[Component.EMBEDDING])[EMBEDDING_FILENAME]
+    table = model.graph.initializers[TRANSPOSED_TOKEN_TABLE].const_value.numpy()
+    lm_head = reference.model.lm_head.weight.detach().numpy().T
+    assert table.shape == lm_head.shape and table.flags.c_contiguous
+    assert table.tobytes() == np.ascontiguousarray(lm_head).tobytes()
+    assert TOKEN_TABLE not in model.graph.initializers
+
+
+def test_fp16_graph_is_valid_and_exact(tiny_checkpoint, tiny_config, tiny_weights, reference, tmp_path):
+    builder = EmbeddingBuilder(tiny_config, _options(tiny_checkpoint, "fp16"))
+    path = _save(builder, tiny_weights[Component.EMBEDDING], tmp_path)
+    onnx.checker.check_model(str(path), full_check=True)
+    inferred = onnx.shape_inference.infer_shapes(onnx.load(str(path)), check_type=True, strict_mode=True,
+                                                 data_prop=True)
+    output = inferred.graph.output[0]
+    assert output.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16
+    # Every float value in the graph is fp16: the dtypes chain without a Cast.
+    assert "Cast" not in {node.op_type for node in inferred.graph.node}
+    float_types = {v.type.tensor_type.elem_type for v in inferred.graph.value_info
+                   if v.type.tensor_type.elem_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)}
+    assert float_types == {onnx.TensorProto.FLOAT16}
+
+    ids, image, audio = _case(tiny_config, np.random.default_rng(5), 1, 40, 9, 6)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {"input_ids": ids, "image_features": image.astype(np.float16),
+                                "audio_features": audio.astype(np.float16)})
+    expected = reference.embeddings(torch.from_numpy(ids), torch.from_numpy(image), torch.from_numpy(audio))
+    assert got.dtype == np.float16
+    assert np.abs(got.astype(np.float32) - expected.numpy().astype(np.float16).astype(np.float32)).max() == 0
+
+
+def _external_location(path: Path, shape: tuple[int, ...]) -> list[tuple[str, int, int]]:
+    """(file, offset, length) of every external initializer of `shape` in the graph at `path`."""
+    model = onnx.load(str(path), load_external_data=False)
+    found = []
+    for tensor in model.graph.initializer:
+        if tensor.data_location == onnx.TensorProto.EXTERNAL and tuple(tensor.dims) == shape:
+            info = {entry.key: entry.value for entry in tensor.external_data}
+            found.append((info["location"], int(info.get("offset", 0)), int(info["length"])))
+    return found
+
+
+def test_package_stores_the_table_once(tmp_path_factory, tiny_checkpoint, tiny_config):
+    """In a built fp32 package the embedding table and every decoder's tied lm_head are the same bytes on disk."""
+    from tests.samples import built_package
+
+    package = built_package(tmp_path_factory, tiny_checkpoint)
+    shape = (tiny_config.text.hidden_size, tiny_config.text.vocab_size)
+    table = _external_location(package / EMBEDDING_FILENAME, shape)
+    assert len(table) == 1 and table[0][0] == DATA_FILE
+    for decoder in ("phi-4-mm-text.onnx", "phi-4-mm-text-base.onnx", "phi-4-mm-text-speech.onnx"):
+        assert _external_location(package / decoder, shape) == table

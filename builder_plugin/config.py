@@ -131,6 +131,7 @@ class AudioConfig:
     causal: bool
     input_layer: str
     ext_pw_kernel_size: int = 1
+    nemo_activation: str = "relu"
     compression_rate: int = 8
 
     @property
@@ -319,6 +320,7 @@ def _from_original(raw: dict[str, Any]) -> Phi4MMConfig:
         causal=bool(audio_raw.get("causal", True)),
         input_layer=str(audio_raw.get("input_layer", "nemo_conv")),
         ext_pw_kernel_size=int(audio_raw.get("ext_pw_kernel_size", 1)),
+        nemo_activation=str((audio_raw.get("nemo_conv_settings") or {}).get("activation", "relu")),
         compression_rate=int(audio_layer.get("compression_rate", 8)),
     )
 
@@ -387,6 +389,7 @@ def _from_native(raw: dict[str, Any], model_dir: Path) -> Phi4MMConfig:
         batch_norm=False,
         causal=True,
         input_layer="nemo_conv",
+        nemo_activation=str(a.get("nemo_activation", "relu")),
         compression_rate=int(a.get("time_reduction", 8)),
     )
     loras = {}

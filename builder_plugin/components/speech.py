@@ -88,7 +88,7 @@ def check_supported(audio: AudioConfig) -> None:
         raise UnsupportedModelError(
             "audio ext_pw_out_channel and depthwise_separable_out_channel must equal attention_dim (residual adds)"
         )
-    for name in (audio.activation, audio.conv_activation, audio.conv_glu_type):
+    for name in (audio.activation, audio.conv_activation, audio.conv_glu_type, audio.nemo_activation):
         if name not in _ACTIVATIONS:
             raise UnsupportedModelError(f"audio activation {name!r} is not supported ({sorted(_ACTIVATIONS)})")
 
@@ -182,7 +182,8 @@ class _SpeechGraph:
         x = gb.op("Conv", x, gb.weight(f"{conv}.0.weight", self.ref(f"{conv}.0.weight")),
                   gb.weight(f"{conv}.0.bias", self.ref(f"{conv}.0.bias")),
                   kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])
-        x = gb.op("Relu", x)  # NeMo subsampling activation: ReLU, the default of nemo_conv_settings / nemo_activation
+        activation = _ACTIVATIONS[audio.nemo_activation]
+        x = activation(gb, x)
         lengths = self.halved(lengths)
         for stage in range(1, int(math.log2(audio.time_reduction))):
             dw, pw = f"{conv}.{3 * stage - 1}", f"{conv}.{3 * stage}"
@@ -191,7 +192,7 @@ class _SpeechGraph:
             x = gb.op("Conv", x, gb.weight(f"{dw}.weight", self.ref(f"{dw}.weight")),
                       gb.weight(f"{dw}.bias", self.ref(f"{dw}.bias")),
                       kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1], group=channels)
-            x = gb.op("Relu", self.pointwise_conv2d(x, pw))
+            x = activation(gb, self.pointwise_conv2d(x, pw))
             lengths = self.halved(lengths)
         # [N, C, T', F'] -> [N, T', C * F'] (channel-major, as the native transpose(1, 2).reshape)
         x = gb.op("Transpose", x, perm=[0, 2, 1, 3])

@@ -47,10 +47,23 @@ class ExternalDataStore:
     written_bytes: int = 0
     reused_bytes: int = 0
     _index: dict[tuple, tuple[int, int]] = field(default_factory=dict)
+    _by_object: dict[int, tuple[ir.TensorProtocol, tuple[int, int]]] = field(default_factory=dict)
     _size: int = 0
 
     def put(self, tensor: ir.TensorProtocol) -> tuple[int, int]:
-        """Append `tensor` unless the same bytes (same dtype and shape) are stored already; returns (offset, length)."""
+        """Append `tensor` unless the same bytes (same dtype and shape) are stored already; returns (offset, length).
+
+        A tensor object already written (shared by several graphs) is not even computed again."""
+        seen = self._by_object.get(id(tensor))
+        if seen is not None:
+            self.reused_bytes += seen[1][1]
+            return seen[1]
+        location = self._put_bytes(tensor)
+        if isinstance(tensor, ir.LazyTensor):  # cheap to hold (no data); holding it keeps its id from being reused
+            self._by_object[id(tensor)] = (tensor, location)
+        return location
+
+    def _put_bytes(self, tensor: ir.TensorProtocol) -> tuple[int, int]:
         data = tensor.tobytes()
         key = (tensor.dtype, tuple(tensor.shape), hashlib.blake2b(data, digest_size=20).digest())
         found = self._index.get(key)

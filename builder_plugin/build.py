@@ -109,7 +109,7 @@ def build(options: BuildOptions, progress: bool = True) -> BuildResult:
         filenames: dict[Component, str] = {}
         for component in components:
             builder = classes[component](config, options)
-            spec = builder.io_spec(config, options.io_dtype)
+            spec = builder.io_spec(config, options.io_dtype, options.execution_provider)
             models = builder.build(weights[component])
             for filename, model in models.items():
                 check_io(model, spec, filename)
@@ -141,9 +141,9 @@ def build(options: BuildOptions, progress: bool = True) -> BuildResult:
 def _quantized(component: Component, options: BuildOptions) -> bool:
     if not options.quantize:
         return False
-    if component in (Component.VISION, Component.SPEECH):
-        return options.quantize_encoders
-    return component is Component.DECODER
+    # The decoder and embedding quantize themselves (the decoder variants share one quantized copy of the base
+    # weights; the embedding reads the lm_head's quantized table).
+    return component in (Component.VISION, Component.SPEECH) and options.quantize_encoders
 
 
 def _write_runtime_configs(folder: Path, config: Phi4MMConfig, options: BuildOptions,
@@ -151,8 +151,10 @@ def _write_runtime_configs(folder: Path, config: Phi4MMConfig, options: BuildOpt
     generation = {}
     if (options.model_dir / "generation_config.json").is_file():
         generation = read_json(options.model_dir / "generation_config.json", what="generation config")
+    settings = builder_class(Component.DECODER).runtime_settings(config, options)
     genai = make_genai_config(config, specs, filenames, options.execution_provider, options.max_length,
-                              generation=generation)
+                              share_kv_buffer=settings.past_present_share_buffer, generation=generation,
+                              provider_options=list(settings.provider_options))
     write_json(folder / GENAI_CONFIG_FILE, genai)
     preprocessor = {}
     if (options.model_dir / "preprocessor_config.json").is_file():

@@ -89,6 +89,10 @@ class GraphBuilder:
         lazy = ir.LazyTensor(materialize, dtype=ir_dtype, shape=ir.Shape(shape), name=name)
         return self._add_initializer(name, lazy)
 
+    def initializer(self, tensor: ir.TensorProtocol) -> ir.Value:
+        """An initializer from a ready (possibly lazy) tensor, named by the tensor."""
+        return self._add_initializer(tensor.name, tensor)
+
     def _add_initializer(self, name: str, tensor: ir.TensorProtocol) -> ir.Value:
         if name in self._initializers:
             raise ValueError(f"duplicate initializer {name}")

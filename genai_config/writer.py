@@ -63,9 +63,11 @@ def make_genai_config(
     max_length: int | None = None,
     share_kv_buffer: bool = True,
     generation: Mapping[str, Any] | None = None,
+    provider_options: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """The genai_config.json content. `specs`/`filenames` must cover decoder, embedding and vision; speech is
-    optional (without it the speech section only disables speech, as the runtime requires)."""
+    optional (without it the speech section only disables speech, as the runtime requires). `provider_options`
+    defaults to PROVIDER_OPTIONS[execution_provider]; the build passes the decoder builder's own."""
     for needed in (Component.DECODER, Component.EMBEDDING, Component.VISION):
         if needed not in specs:
             raise ValueError(f"a phi4mm package needs the {needed.value} model")
@@ -73,7 +75,9 @@ def make_genai_config(
     decoder = specs[Component.DECODER]
     logits = decoder.output("logits")
     vocab = logits.shape[-1] if isinstance(logits.shape[-1], int) else text.vocab_size
-    session = {"log_id": "onnxruntime-genai", "provider_options": PROVIDER_OPTIONS[execution_provider]}
+    if provider_options is None:
+        provider_options = PROVIDER_OPTIONS[execution_provider]
+    session = {"log_id": "onnxruntime-genai", "provider_options": provider_options}
 
     model: dict[str, Any] = {
         "type": "phi4mm",

@@ -7,6 +7,7 @@ readable header, every indexed tensor really in its shard) so a broken download 
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -70,6 +71,41 @@ class TensorRef:
         except Exception as exc:
             raise CheckpointError(f"cannot read tensor {self.name} from {self.file.name}: {exc}") from exc
         return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
+
+    def load_rows(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows [start, stop) of a 2-D tensor, converted to `dtype`.
+
+        Read with one positioned read rather than through a memory map, so only these rows are ever resident and the
+        process's memory does not grow with every page of the checkpoint it has touched.
+        """
+        if self.dtype not in _TORCH_DTYPES or len(self.shape) != 2 or not 0 <= start <= stop <= self.shape[0]:
+            raise CheckpointError(f"cannot read rows {start}:{stop} of {self.name} ({self.dtype} {self.shape})")
+        stored = _TORCH_DTYPES[self.dtype]
+        data_start, offsets = _safetensors_layout(self.file)
+        begin, end = offsets.get(self.name, (0, -1))
+        row_bytes = self.shape[1] * stored.itemsize
+        if end - begin != self.shape[0] * row_bytes:
+            raise CheckpointError(f"{self.file.name}: {self.name} is not stored as a {self.dtype} {self.shape} tensor")
+        buffer = bytearray((stop - start) * row_bytes)
+        with open(self.file, "rb", buffering=0) as f:
+            f.seek(data_start + begin + start * row_bytes)
+            if f.readinto(buffer) != len(buffer):
+                raise CheckpointError(f"{self.file.name} is truncated (reading {self.name})")
+        if not buffer:
+            return torch.empty((0, self.shape[1]), dtype=dtype)
+        return torch.frombuffer(buffer, dtype=stored).reshape(stop - start, self.shape[1]).to(dtype)
+
+
+@lru_cache(maxsize=64)
+def _safetensors_layout(path: Path) -> tuple[int, dict[str, tuple[int, int]]]:
+    """(offset of the data section, {tensor: (begin, end) within it}) from a safetensors header."""
+    try:
+        with open(path, "rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+    except (OSError, ValueError, struct.error) as exc:
+        raise CheckpointError(f"cannot read the safetensors header of {path.name}: {exc}") from exc
+    return 8 + size, {k: tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__"}
 
 
 class CheckpointReader(Mapping[str, TensorRef]):

@@ -31,8 +31,9 @@ class ComponentBuilder(ABC):
 
     @classmethod
     @abstractmethod
-    def io_spec(cls, config: Phi4MMConfig, io_dtype: str) -> IOSpec:
-        """Names, dtypes and symbolic shapes of the graph's inputs and outputs."""
+    def io_spec(cls, config: Phi4MMConfig, io_dtype: str, execution_provider: str = "cpu") -> IOSpec:
+        """Names, dtypes and symbolic shapes of the graph's inputs and outputs (the provider matters for the
+        decoder: on dml it takes position_ids)."""
 
     @abstractmethod
     def build(self, weights: Mapping[str, TensorRef]) -> dict[str, ir.Model]:

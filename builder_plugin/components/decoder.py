@@ -24,12 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
-import struct
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
-from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -131,45 +128,6 @@ class DecoderRuntimeSettings:
 # Lazy weights
 
 
-_FLOAT_CODES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-
-
-@lru_cache(maxsize=64)
-def _safetensors_layout(path: Path) -> tuple[int, dict[str, tuple[int, int]]]:
-    """(offset of the data section, {tensor: (begin, end) within it}) from a safetensors header."""
-    try:
-        with open(path, "rb") as f:
-            (size,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(size))
-    except (OSError, ValueError, struct.error) as exc:
-        raise CheckpointError(f"cannot read the safetensors header of {path.name}: {exc}") from exc
-    return 8 + size, {k: tuple(v["data_offsets"]) for k, v in header.items() if k != "__metadata__"}
-
-
-def _load_rows(ref: TensorRef, start: int, stop: int) -> torch.Tensor:
-    """Rows [start, stop) of a 2-D checkpoint tensor as fp32 (bf16 upcasts exactly).
-
-    Read with one positioned read rather than through a memory map, so only these rows are ever resident and the
-    process's memory does not grow with every page of the checkpoint it has touched.
-    """
-    if ref.dtype not in _FLOAT_CODES or len(ref.shape) != 2 or not 0 <= start <= stop <= ref.shape[0]:
-        raise CheckpointError(f"cannot read rows {start}:{stop} of {ref.name} ({ref.dtype} {ref.shape})")
-    dtype = _FLOAT_CODES[ref.dtype]
-    data_start, offsets = _safetensors_layout(ref.file)
-    begin, end = offsets.get(ref.name, (0, -1))
-    row_bytes = ref.shape[1] * dtype.itemsize
-    if end - begin != ref.shape[0] * row_bytes:
-        raise CheckpointError(f"{ref.file.name}: {ref.name} is not stored as a {ref.dtype} {ref.shape} tensor")
-    buffer = bytearray((stop - start) * row_bytes)
-    with open(ref.file, "rb", buffering=0) as f:
-        f.seek(data_start + begin + start * row_bytes)
-        if f.readinto(buffer) != len(buffer):
-            raise CheckpointError(f"{ref.file.name} is truncated (reading {ref.name})")
-    if not buffer:
-        return torch.empty((0, ref.shape[1]), dtype=torch.float32)
-    return torch.frombuffer(buffer, dtype=dtype).reshape(stop - start, ref.shape[1]).to(torch.float32)
-
-
 @dataclass(frozen=True)
 class _Rows:
     """Rows [start, stop) of a 2-D checkpoint tensor [out, in]."""
@@ -189,7 +147,7 @@ class _Rows:
 
     def load(self, start: int = 0, stop: int | None = None) -> torch.Tensor:
         stop = self.count if stop is None else stop
-        return _load_rows(self.ref, self.start + start, self.start + stop)
+        return self.ref.load_rows(self.start + start, self.start + stop)
 
 
 @dataclass(frozen=True)
@@ -253,14 +211,14 @@ class WeightTensors:
 
         def rows(c0: int, c1: int) -> torch.Tensor:
             # W + s·B@A in fp32 from the stored (bf16) tensors; never rounded back to the stored dtype.
-            a = _load_rows(branch.a, 0, branch.a.shape[0])
+            a = branch.a.load_rows(0, branch.a.shape[0])
             return weight.load(c0, c1) + branch.scaling * (branch.b.load(c0, c1) @ a)
 
         return self._tensor(("merged", weight, branch), name, (k, weight.count), rows)
 
     def lora_a(self, branch: LoraBranch, name: str) -> ColumnChunkedTensor:
         r, k = branch.a.shape
-        return self._tensor(("lora_a", branch.a), name, (k, r), lambda c0, c1: _load_rows(branch.a, c0, c1))
+        return self._tensor(("lora_a", branch.a), name, (k, r), lambda c0, c1: branch.a.load_rows(c0, c1))
 
     def lora_b(self, branch: LoraBranch, name: str) -> ColumnChunkedTensor:
         r = branch.a.shape[0]

@@ -46,7 +46,7 @@ class SpeechBuilder(ComponentBuilder):
     component = Component.SPEECH
 
     @classmethod
-    def io_spec(cls, config: Phi4MMConfig, io_dtype: str) -> IOSpec:
+    def io_spec(cls, config: Phi4MMConfig, io_dtype: str, execution_provider: str = "cpu") -> IOSpec:
         return IOSpec(
             inputs=(
                 TensorSpec("audio_embeds", io_dtype, ("num_audios", "num_frames", config.audio.input_size)),

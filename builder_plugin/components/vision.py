@@ -62,7 +62,7 @@ class VisionBuilder(ComponentBuilder):
             )
 
     @classmethod
-    def io_spec(cls, config: Phi4MMConfig, io_dtype: str) -> IOSpec:
+    def io_spec(cls, config: Phi4MMConfig, io_dtype: str, execution_provider: str = "cpu") -> IOSpec:
         v = config.vision
         side, patches = v.image_size, v.patches_per_side
         return IOSpec(

@@ -37,7 +37,10 @@ def _save(builder: EmbeddingBuilder, weights, folder: Path) -> Path:
     return PackageWriter(folder, progress=False).save(models[EMBEDDING_FILENAME], EMBEDDING_FILENAME, DATA_FILE)
 
 
-@pytest.fixture(scope="module", params=TABLE_LAYOUTS)
+FLOAT_LAYOUTS = tuple(layout for layout in TABLE_LAYOUTS if layout != "quantized")
+
+
+@pytest.fixture(scope="module", params=FLOAT_LAYOUTS)
 def session(request, tiny_checkpoint, tiny_config, tiny_weights, tmp_path_factory) -> ort.InferenceSession:
     builder = EmbeddingBuilder(tiny_config, _options(tiny_checkpoint), table_layout=request.param)
     path = _save(builder, tiny_weights[Component.EMBEDDING], tmp_path_factory.mktemp(f"embedding-{request.param}"))
@@ -113,7 +116,7 @@ def test_io_spec(tiny_config):
 def test_default_layout_follows_precision(tiny_checkpoint, tiny_config):
     assert EmbeddingBuilder(tiny_config, _options(tiny_checkpoint, "fp32")).table_layout == "transposed"
     assert EmbeddingBuilder(tiny_config, _options(tiny_checkpoint, "fp16")).table_layout == "transposed"
-    assert EmbeddingBuilder(tiny_config, _options(tiny_checkpoint, "int4")).table_layout == "rows"
+    assert EmbeddingBuilder(tiny_config, _options(tiny_checkpoint, "int4")).table_layout == "quantized"
 
 
 def test_transposed_table_is_the_lm_head_weight(tiny_checkpoint, tiny_config, tiny_weights, reference):
@@ -171,3 +174,40 @@ def test_package_stores_the_table_once(tmp_path_factory, tiny_checkpoint, tiny_c
     assert len(table) == 1 and table[0][0] == DATA_FILE
     for decoder in ("phi-4-mm-text.onnx", "phi-4-mm-text-base.onnx", "phi-4-mm-text-speech.onnx"):
         assert _external_location(package / decoder, shape) == table
+
+
+def test_int4_lookup_reads_the_decoders_quantized_lm_head(tmp_path, tiny_checkpoint, tiny_config, reference):
+    """-p int4: the embedding dequantizes rows of the decoder's own int4 lm_head (stored once), within the 4-bit
+    rounding bound of each block, and places the features exactly."""
+    from builder_plugin.build import build
+    from builder_plugin.components.spec import Component as C
+
+    options = BuildOptions(model_dir=tiny_checkpoint, output_dir=tmp_path / "pkg", precision="int4",
+                           execution_provider="cpu", lora="none", components=frozenset({C.EMBEDDING, C.DECODER}))
+    build(options, progress=False)
+    folder = tmp_path / "pkg"
+    embedding = onnx.load(str(folder / EMBEDDING_FILENAME), load_external_data=False)
+    decoder = onnx.load(str(folder / "phi-4-mm-text.onnx"), load_external_data=False)
+
+    def locations(model):
+        return {tuple((e.key, e.value) for e in t.external_data) for t in model.graph.initializer if t.external_data}
+
+    table = locations(embedding)
+    assert table and table <= locations(decoder)
+    assert {n.op_type for n in embedding.graph.node} >= {"GatherBlockQuantized"}
+
+    ids, image, audio = _case(tiny_config, np.random.default_rng(7), 1, 64, 9, 5)
+    session = ort.InferenceSession(str(folder / EMBEDDING_FILENAME), providers=["CPUExecutionProvider"])
+    (got,) = session.run(None, {"input_ids": ids, "image_features": image, "audio_features": audio})
+    expected = reference.embeddings(torch.from_numpy(ids), torch.from_numpy(image), torch.from_numpy(audio)).numpy()
+    np.testing.assert_array_equal(got[ids == tiny_config.image_token_id], image)
+    np.testing.assert_array_equal(got[ids == tiny_config.audio_token_id], audio)
+    text = ~np.isin(ids, (tiny_config.image_token_id, tiny_config.audio_token_id))
+    block = options.block_size
+    exp_blocks = expected[text].reshape(-1, tiny_config.text.hidden_size // block, block)
+    err_blocks = np.abs(got[text] - expected[text]).reshape(exp_blocks.shape)
+    # Symmetric 4-bit: step = absmax / 8; rounding costs half a step, clipping at +7 on the side opposite the absmax
+    # value at most one step.
+    bound = np.abs(exp_blocks).max(-1, keepdims=True) / 8 * 1.01
+    assert (err_blocks <= bound + 1e-7).all()
+    assert np.abs(got[text] - expected[text]).max() > 0  # it really is the quantized table

@@ -274,6 +274,10 @@ class Chat:
         return self.variant_for(bool(images) or any(t.images for t in self.turns),
                                 bool(audios) or any(t.audios for t in self.turns))
 
+    def model(self, variant: str) -> Any:
+        """The og.Model of a decoder variant (loaded on first use and kept)."""
+        return self._load(variant).model
+
     def _load(self, variant: str) -> _Loaded:
         if variant not in self._models:
             try:

@@ -1,4 +1,5 @@
-"""Shared fixtures: one tiny generated checkpoint per test session, its config, routed weights, reference and media."""
+"""Shared fixtures: one tiny generated checkpoint per test session (original and native layouts), its config, routed
+weights, reference, media, and one built fp32 CPU package of each layout."""
 
 from __future__ import annotations
 
@@ -11,6 +12,22 @@ from builder_plugin.checkpoint.routing import route_weights
 from builder_plugin.config import Phi4MMConfig
 
 TINY_SEED = 0
+# search.max_length of the shared packages: a short KV cache keeps every generator cheap.
+TINY_PACKAGE_MAX_LENGTH = 4096
+
+_BUILT_PACKAGES: dict[Path, Path] = {}
+
+
+def build_tiny_package(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Path:
+    """The fp32 CPU package of `checkpoint` (default --lora routed: three decoder variants), built once per session."""
+    if checkpoint not in _BUILT_PACKAGES:
+        from builder_plugin.build import build
+        from builder_plugin.options import BuildOptions
+
+        options = BuildOptions(model_dir=checkpoint, output_dir=tmp_path_factory.mktemp("package") / checkpoint.name,
+                               precision="fp32", execution_provider="cpu", max_length=TINY_PACKAGE_MAX_LENGTH)
+        _BUILT_PACKAGES[checkpoint] = build(options, progress=False).output_dir
+    return _BUILT_PACKAGES[checkpoint]
 
 
 @pytest.fixture(scope="session")
@@ -57,3 +74,22 @@ def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                                   "clip_3s_48k.wav": (3.0, 48000), "clip_45s.wav": (45.0, 16000)}.items():
         make_wav(folder / name, seconds, sample_rate=rate, seed=len(name))
     return folder
+
+
+@pytest.fixture(scope="session")
+def native_reference(tiny_native_checkpoint: Path):
+    from builder_plugin.testing.reference import Reference
+
+    return Reference.load(tiny_native_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def tiny_package(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -> Path:
+    """fp32 CPU package of `tiny_checkpoint` (routed LoRA)."""
+    return build_tiny_package(tmp_path_factory, tiny_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def tiny_native_package(tmp_path_factory: pytest.TempPathFactory, tiny_native_checkpoint: Path) -> Path:
+    """fp32 CPU package of `tiny_native_checkpoint` (routed LoRA)."""
+    return build_tiny_package(tmp_path_factory, tiny_native_checkpoint)

@@ -24,7 +24,6 @@ from builder_plugin.runtime import (
     check_tags,
 )
 from builder_plugin.testing.media import make_wav
-from tests.samples import built_package
 
 IMAGE = "square.png"
 AUDIO = "clip_2s.wav"
@@ -32,8 +31,8 @@ NEAR_TIE = 1e-3  # top-1 minus top-2 reference logit below which fp32 rounding m
 
 
 @pytest.fixture(scope="module")
-def package(tmp_path_factory, tiny_checkpoint) -> Path:
-    return built_package(tmp_path_factory, tiny_checkpoint)
+def package(tiny_package) -> Path:
+    return tiny_package
 
 
 @pytest.fixture(scope="module")

@@ -164,11 +164,9 @@ def _external_location(path: Path, shape: tuple[int, ...]) -> list[tuple[str, in
     return found
 
 
-def test_package_stores_the_table_once(tmp_path_factory, tiny_checkpoint, tiny_config):
+def test_package_stores_the_table_once(tiny_package, tiny_config):
     """In a built fp32 package the embedding table and every decoder's tied lm_head are the same bytes on disk."""
-    from tests.samples import built_package
-
-    package = built_package(tmp_path_factory, tiny_checkpoint)
+    package = tiny_package
     shape = (tiny_config.text.hidden_size, tiny_config.text.vocab_size)
     table = _external_location(package / EMBEDDING_FILENAME, shape)
     assert len(table) == 1 and table[0][0] == DATA_FILE

@@ -28,7 +28,6 @@ from builder_plugin.errors import UnsupportedModelError
 from builder_plugin.options import BuildOptions
 from builder_plugin.testing.media import make_wav
 from builder_plugin.testing.processor import processor_inputs
-from builder_plugin.testing.reference import Reference
 
 ATOL = 1e-4
 PROJECTIONS = {2: "speech", 3: "vision"}  # audio_projection_mode -> the reference's projection pair
@@ -189,7 +188,7 @@ def test_unsupported_encoder_variants_are_rejected(change, tiny_config):
         check_supported(dataclasses.replace(tiny_config.audio, **change))
 
 
-def test_native_format_checkpoint_parity(tiny_native_checkpoint, processed, tmp_path):
+def test_native_format_checkpoint_parity(tiny_native_checkpoint, native_reference, processed, tmp_path):
     """The same graph from a transformers-native checkpoint (routing renames) against the reference loaded from it."""
     config = Phi4MMConfig.from_dir(tiny_native_checkpoint)
     weights = route_weights(CheckpointReader(tiny_native_checkpoint, config.source_format), config)
@@ -197,7 +196,7 @@ def test_native_format_checkpoint_parity(tiny_native_checkpoint, processed, tmp_
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     inputs = processed["2s+12s"]
     got = _run(session, inputs, 3)
-    want = Reference.load(tiny_native_checkpoint).audio_features(
+    want = native_reference.audio_features(
         inputs["audio_embeds"], inputs["audio_attention_mask"], inputs["audio_sizes"], projection="vision").numpy()
     assert got.shape == want.shape
     assert np.abs(got - want).max() <= ATOL

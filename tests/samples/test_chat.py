@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from builder_plugin.runtime import Turn, build_prompt, generate
-from tests.samples import built_package
 
 CHAT = Path(__file__).resolve().parents[2] / "samples" / "chat.py"
 TIMEOUT_S = 300
@@ -22,8 +21,8 @@ STATS = re.compile(r"\[(\d+) tokens, [\d.]+ tokens/s, first token after [\d.]+ s
 
 
 @pytest.fixture(scope="module")
-def package(tmp_path_factory, tiny_checkpoint) -> Path:
-    return built_package(tmp_path_factory, tiny_checkpoint)
+def package(tiny_package) -> Path:
+    return tiny_package
 
 
 def run_chat(*args: object) -> subprocess.CompletedProcess:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from builder_plugin.config import SIGLIP_SO400M  # what the original code assumes for "img_processor": null
 from builder_plugin.testing.tokenizer import AUDIO_TOKEN, ENDOFTEXT_ID, IMAGE_TOKEN, ROLE_TOKENS, write_tokenizer
 
 if TYPE_CHECKING:
@@ -47,17 +48,6 @@ REAL_LONG_FACTORS = (
     32.61, 32.64, 32.66, 32.7, 32.71, 32.93, 32.97, 33.28, 33.49, 33.5, 44.16, 47.77,
 )  # fmt: skip
 
-# The SigLIP tower the original remote code hard-codes when config.json has "img_processor": null.
-SIGLIP_SO400M = {
-    "hidden_size": 1152,
-    "intermediate_size": 4304,
-    "num_hidden_layers": 27,
-    "num_attention_heads": 16,
-    "image_size": 448,
-    "patch_size": 14,
-    "layer_norm_eps": 1e-6,
-    "hidden_act": "gelu_pytorch_tanh",
-}
 
 VISION_LORA_LAYER_REGEX = r"layers.*((self_attn\.(qkv_proj|o_proj))|(mlp\.(gate_up|down)_proj))"
 SPEECH_LORA_LAYER_REGEX = r"((layers.*self_attn\.(qkv|o)_proj)|(layers.*mlp\.(gate_up|down)_proj))"

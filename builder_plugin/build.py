@@ -11,6 +11,7 @@ import importlib
 import json
 import resource
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,7 +108,9 @@ def build(options: BuildOptions, progress: bool = True) -> BuildResult:
         writer = PackageWriter(staging, progress=progress)
         specs: dict[Component, IOSpec] = {}
         filenames: dict[Component, str] = {}
-        for component in components:
+        for step, component in enumerate(components, 1):
+            if progress:
+                print(f"[{step}/{len(components)}] {component.value}: building the graph", file=sys.stderr, flush=True)
             builder = classes[component](config, options)
             spec = builder.io_spec(config, options.io_dtype, options.execution_provider)
             models = builder.build(weights[component])

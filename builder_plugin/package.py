@@ -112,6 +112,7 @@ class PackageWriter:
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {filename}", leave=False,
                   disable=not self.progress) as bar:
             for value in large:
+                bar.set_postfix_str(value.name, refresh=False)  # e.g. model.layers.12.attn.qkv_proj.MatMul.weight_Q4
                 tensor = value.const_value
                 offset, length = store.put(tensor)
                 value.const_value = ir.ExternalTensor(

@@ -79,11 +79,15 @@ class GraphBuilder:
             if transform is not None:
                 shape = tuple(transform(torch.empty(shape, device="meta")).shape)
 
+        target = _TORCH_DTYPES.get(ir_dtype)
+
         def materialize() -> ir.TensorProtocol:
-            tensor = source.load(torch.float32) if isinstance(source, TensorRef) else torch.as_tensor(source)
+            # Converting straight to the target dtype (bf16 -> fp16 rounds exactly as via fp32) keeps a big fp16
+            # tensor from passing through an fp32 copy twice its size.
+            tensor = source.load(target or torch.float32) if isinstance(source, TensorRef) else torch.as_tensor(source)
             if transform is not None:
                 tensor = transform(tensor)
-            tensor = tensor.to(_TORCH_DTYPES.get(ir_dtype, tensor.dtype)).contiguous()
+            tensor = tensor.to(target or tensor.dtype).contiguous()
             return ir.tensor(tensor.numpy(), name=name)
 
         lazy = ir.LazyTensor(materialize, dtype=ir_dtype, shape=ir.Shape(shape), name=name)

@@ -558,11 +558,21 @@ def _quiet() -> Iterator[None]:
         yield
 
 
+# Set by the plugin whatever --extra_options says: the graph takes inputs_embeds, is written under our file name, and
+# computes the lm_head for the last position only (all that generation reads; full-prompt logits made prefill ~6x
+# slower at full width).
+_FIXED_BUILDER_OPTIONS = {"exclude_embeds": True, "prune_lm_head": True}
+_BOOL_WORDS = {"1": True, "true": True, "0": False, "false": False}
+
+
 def _builder_extra_options(options: BuildOptions, filename: str) -> dict[str, Any]:
-    extra: dict[str, Any] = {"exclude_embeds": True, "filename": filename}
-    for key in ("enable_cuda_graph", "enable_dml_graph", "enable_webgpu_graph"):
-        if key in options.extra_options:
-            extra[key] = str(options.extra_options[key]).lower() in ("1", "true")
+    """--extra_options passed through to the GenAI builder (booleans coerced as its CLI does), plus ours."""
+    extra: dict[str, Any] = {}
+    for key, value in options.extra_options.items():
+        text = str(value)
+        extra[key] = int(text) if text.lstrip("-").isdigit() else _BOOL_WORDS.get(text.lower(), value)
+    extra.update(_FIXED_BUILDER_OPTIONS)
+    extra["filename"] = filename
     return extra
 
 
@@ -645,7 +655,7 @@ class DecoderBuilder(ComponentBuilder):
         present = ("batch_size", kv_heads, "total_sequence_length", "kv_cache_dim")
         inputs += [TensorSpec(f"past_key_values.{i}.key", io_dtype, past) for i in layers]
         inputs += [TensorSpec(f"past_key_values.{i}.value", io_dtype, past) for i in layers]
-        outputs = [TensorSpec("logits", io_dtype, ("batch_size", "sequence_length", text.vocab_size))]
+        outputs = [TensorSpec("logits", io_dtype, ("batch_size", 1, text.vocab_size))]  # last position only
         outputs += [TensorSpec(f"present.{i}.key", io_dtype, present) for i in layers]
         outputs += [TensorSpec(f"present.{i}.value", io_dtype, present) for i in layers]
         return IOSpec(tuple(inputs), tuple(outputs))

@@ -120,7 +120,8 @@ class SharedBufferDecoder:
         self.layers, self.kv_heads, self.head = text.num_hidden_layers, text.num_key_value_heads, text.head_dim
 
     def run(self, prefix: np.ndarray, steps: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
-        """(prefill logits [S, vocab], last-position logits after the prefill and after each step)."""
+        """(prefill logits [1, vocab]: the graph emits the last position only; last-position logits after the
+        prefill and after each step)."""
         past = {f"past_key_values.{i}.{kind}": np.zeros((1, self.kv_heads, MAX_LENGTH, self.head), np.float32)
                 for i in range(self.layers) for kind in ("key", "value")}
         total = prefix.shape[1]
@@ -162,9 +163,10 @@ def test_prefill_and_cached_decode_match_the_reference(variant, fp32_packages, t
         step_embeds = [reference.embeddings(torch.tensor([[t]])).numpy() for t in new_tokens]
         prefill, steps = decoder.run(embeds.numpy(), step_embeds)
         with _reference_lora(reference, lora) as ref_lora:
-            want_prefill = reference.logits(embeds, ref_lora)[0].numpy()
+            want_prefill = reference.logits(embeds, ref_lora)[0, -1:].numpy()
             want_steps = reference.decode_logits(embeds, new_tokens, ref_lora)
         assert len(steps) == len(want_steps) == DECODE_STEPS + 1
+        assert prefill.shape == want_prefill.shape
         assert np.abs(prefill - want_prefill).max() <= TOLERANCE, (variant, length)
         worst = max(float(np.abs(got - want.numpy()).max()) for got, want in zip(steps, want_steps))
         assert worst <= TOLERANCE, (variant, length, worst)
@@ -248,8 +250,9 @@ def test_int4_runs_on_cpu_close_to_fp32(tiny_checkpoint, tiny_config, tiny_weigh
 
     embeds, new_tokens = _prompt(reference, 40, seed=3)
     step_embeds = [reference.embeddings(torch.tensor([[t]])).numpy() for t in new_tokens]
-    got, _ = SharedBufferDecoder(paths[MAIN_DECODER], tiny_config).run(embeds.numpy(), step_embeds)
-    want, _ = SharedBufferDecoder(fp32_packages["vision"], tiny_config).run(embeds.numpy(), step_embeds)
+    _, got_steps = SharedBufferDecoder(paths[MAIN_DECODER], tiny_config).run(embeds.numpy(), step_embeds)
+    _, want_steps = SharedBufferDecoder(fp32_packages["vision"], tiny_config).run(embeds.numpy(), step_embeds)
+    got, want = np.stack(got_steps), np.stack(want_steps)  # last-position logits of the prefill and each step
     cosine = float((got * want).sum() / np.linalg.norm(got) / np.linalg.norm(want))
     print(f"int4 vs fp32 logits cosine: {cosine:.4f}")
     # Random Gaussian weights are a harsh case for 4-bit RTN (the 200064-row lm_head dominates): measured 0.81-0.93

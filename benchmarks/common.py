@@ -1,0 +1,225 @@
+"""Shared helpers for the benchmark scripts: timing summaries, peak RSS, the machine description, a memory-bandwidth
+probe, and JSON / Markdown output (including replacing one section of docs/benchmarks.md).
+
+Standard library and numpy only, so every benchmark (and its worker subprocesses) can import it cheaply.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import resource
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+GB = 1e9
+GIB = 1 << 30
+# Instruction sets that decide which onnxruntime CPU kernels run (int8 dot products for int4 MatMulNBits).
+SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")
+
+
+# ---- timing -------------------------------------------------------------------------------------------------------
+
+
+def summarize(seconds: Sequence[float]) -> dict[str, Any]:
+    """{"best", "median", "runs"} of a list of durations in seconds (the list is kept, rounded to 0.1 ms)."""
+    values = [float(s) for s in seconds]
+    if not values:
+        return {"best": None, "median": None, "runs": []}
+    return {"best": min(values), "median": statistics.median(values), "runs": [round(v, 4) for v in values]}
+
+
+# ---- memory -------------------------------------------------------------------------------------------------------
+
+
+def _status_bytes(field: str) -> int | None:
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """High-water mark of this process' resident set (VmHWM; since start or the last reset_peak_rss)."""
+    value = _status_bytes("VmHWM")
+    if value is None:
+        value = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return value
+
+
+def current_rss_bytes() -> int:
+    return _status_bytes("VmRSS") or 0
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux: write 5 to /proc/self/clear_refs); False where not supported."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+# ---- machine ------------------------------------------------------------------------------------------------------
+
+
+def machine_info() -> dict[str, Any]:
+    """CPU model, logical cores, RAM, load averages and library versions of this machine."""
+    cpu_model = platform.processor() or platform.machine()
+    cpu_id, simd = None, None
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        fields = dict(re.findall(r"^([^:\n]+?)\s*:\s*(.*)$", text.split("\n\n")[0], re.MULTILINE))
+        cpu_model = fields.get("model name", cpu_model).strip()
+        if "cpu family" in fields:
+            cpu_id = f"family {fields['cpu family']} model {fields.get('model')}"
+        flags = set(fields.get("flags", "").split())
+        simd = [flag for flag in SIMD_FLAGS if flag in flags]
+    except OSError:
+        pass
+    ram = None
+    try:
+        found = re.search(r"^MemTotal:\s*(\d+) kB", Path("/proc/meminfo").read_text(encoding="ascii"), re.MULTILINE)
+        ram = int(found.group(1)) * 1024 if found else None
+    except OSError:
+        pass
+    versions: dict[str, str] = {"python": platform.python_version(), "numpy": np.__version__}
+    for module in ("onnxruntime", "onnxruntime_genai", "torch", "transformers", "onnx"):
+        try:
+            versions[module] = __import__(module).__version__
+        except Exception:  # a missing or broken optional library is just not listed
+            pass
+    return {
+        "cpu_model": cpu_model,
+        "cpu_id": cpu_id,
+        "simd": simd,
+        "logical_cores": os.cpu_count(),
+        "ram_bytes": ram,
+        "os": f"{platform.system()} {platform.release()}",
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "versions": versions,
+    }
+
+
+def machine_markdown(machine: dict[str, Any]) -> str:
+    versions = ", ".join(f"{k} {v}" for k, v in machine.get("versions", {}).items())
+    ram = machine.get("ram_bytes")
+    simd = machine.get("simd")
+    return "\n".join([
+        f"- CPU: {machine.get('cpu_model')}"
+        + (f" ({machine['cpu_id']})" if machine.get("cpu_id") else "")
+        + f", {machine.get('logical_cores')} logical cores"
+        + (f"; SIMD: {', '.join(simd)}" if simd else ""),
+        f"- RAM: {ram / GIB:.1f} GiB" if ram else "- RAM: unknown",
+        f"- OS: {machine.get('os')}",
+        f"- Libraries: {versions}",
+        "- No GPU. Other jobs (test suites, other benchmarks) often run at the same time, so every timing is "
+        "repeated and reported as best and median.",
+    ])
+
+
+# ---- memory bandwidth ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Bandwidth:
+    """memcpy speed: bytes copied per second (each copied byte is also read once and written once)."""
+
+    size_bytes: int
+    threads: int
+    best_gb_s: float
+    median_gb_s: float
+    runs_gb_s: tuple[float, ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def memcpy_bandwidth(size_bytes: int = GIB, repeats: int = 7, threads: int = 1) -> Bandwidth:
+    """Copy a `size_bytes` array into another with numpy (`threads` Python threads, each one slice; numpy releases
+    the GIL while copying), `repeats` times; GB/s = size_bytes / seconds (one copy, not read + write counted twice)."""
+    count = size_bytes // 8
+    source = np.ones(count, dtype=np.float64)  # touched, so page faults are not timed
+    target = np.zeros_like(source)
+    bounds = np.linspace(0, count, threads + 1).astype(np.int64)
+    slices = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+
+    def copy(part: slice) -> None:
+        np.copyto(target[part], source[part])
+
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        if threads == 1:
+            copy(slices[0])
+        else:
+            workers = [threading.Thread(target=copy, args=(part,)) for part in slices]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+        runs.append(count * 8 / (time.perf_counter() - start) / GB)
+    del source, target
+    return Bandwidth(count * 8, threads, max(runs), statistics.median(runs), tuple(round(r, 2) for r in runs))
+
+
+# ---- output -------------------------------------------------------------------------------------------------------
+
+
+def write_json(path: str | Path, data: Any) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], align: str | None = None) -> str:
+    """A GitHub Markdown table; `align` is one character per column, "l" or "r" (default: first left, rest right)."""
+    align = align or "l" + "r" * (len(headers) - 1)
+    rule = ["---" if a == "l" else "---:" for a in align]
+    lines = ["| " + " | ".join(str(h) for h in headers) + " |", "| " + " | ".join(rule) + " |"]
+    lines += ["| " + " | ".join("" if c is None else str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def replace_markdown_section(path: str | Path, heading: str, body: str, title: str = "# Benchmarks",
+                             before: str | None = None) -> Path:
+    """Write `body` under the level-2 `heading` ("## Run time") of `path`, replacing that section's old text up to
+    the next level-2 heading. A missing file is created with `title`; a missing section is inserted before the
+    section `before` when that exists, else appended. Other sections are left as they are."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8") if path.is_file() else f"{title}\n"
+    section = f"{heading}\n\n{body.strip()}\n"
+    pattern = re.compile(rf"^{re.escape(heading)}[ \t]*\n.*?(?=^## |\Z)", re.MULTILINE | re.DOTALL)
+    if pattern.search(text):
+        text = pattern.sub(lambda _: section + "\n", text, count=1)
+    else:
+        anchor = re.search(rf"^{re.escape(before)}[ \t]*$", text, re.MULTILINE) if before else None
+        if anchor:
+            text = text[: anchor.start()] + section + "\n" + text[anchor.start():]
+        else:
+            text = text.rstrip("\n") + "\n\n" + section
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text.rstrip("\n") + "\n", encoding="utf-8")
+    return path
+
+
+def fmt(value: float | None, digits: int = 2, unit: str = "") -> str:
+    """A number for a table cell ("-" when missing)."""
+    if value is None:
+        return "-"
+    return f"{value:.{digits}f}{unit}"

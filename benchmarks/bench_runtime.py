@@ -78,6 +78,7 @@ from common import (  # noqa: E402
     markdown_table,
     memcpy_bandwidth,
     peak_rss_bytes,
+    read_bandwidth,
     replace_markdown_section,
     reset_peak_rss,
     summarize,
@@ -610,6 +611,10 @@ def merge_runs(parts: list[dict[str, Any]]) -> dict[str, Any]:
         if runs:
             merged[key] = dict(parts[0][key] or {}, **summarize(runs))
     merged["decode"] = _decode_stats([step for part in parts for step in part["decode"].get("step_s", [])])
+    merged["per_round"] = [{
+        "prefill_best_s": part["prefill_s"]["best"], "prefill_median_s": part["prefill_s"]["median"],
+        "step_best_s": part["decode"].get("best_step_s"), "step_median_s": part["decode"].get("median_step_s"),
+    } for part in parts]
     merged["peak_rss_bytes"] = max(part.get("peak_rss_bytes") or 0 for part in parts)
     merged["model_load_s"] = [part.get("model_load_s") for part in parts]
     merged["rounds"] = len(parts)
@@ -626,54 +631,53 @@ def _worker_main(job_file: str, result_file: str) -> int:
 # ---- analysis -----------------------------------------------------------------------------------------------------
 
 
-def _target(name: str, value: float | None, threshold: float, unit: str, how: str, strict: bool = False
-            ) -> dict[str, Any]:
-    met = value is not None and (value > threshold if strict else value >= threshold)
-    return {"target": name, "value": value, "threshold": threshold, "unit": unit, "met": met, "how": how,
-            "comparison": ">" if strict else ">="}
+def _bandwidths(bandwidth: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(read probe, copy probe) of a result's bandwidth entry (results without a read probe use the copy for both)."""
+    copy = bandwidth.get("copy", bandwidth)
+    return bandwidth.get("read", copy), copy
 
 
-def _cited_encoder_speedups() -> list[dict[str, Any]]:
-    """Encoder speed-ups from bench_vision.py / bench_speech.py results, when those files exist."""
-    cited = []
-    vision = ROOT / "benchmarks" / "results" / "vision.json"
-    if vision.is_file():
-        data = json.loads(vision.read_text())
-        for name, case in data.get("cases", {}).items():
-            cited.append({"source": "benchmarks/results/vision.json", "case": name,
-                          "speedup": case.get("speedup_fused_vs_torch"), "how": "median of repeats"})
-    speech = ROOT / "benchmarks" / "results" / "speech.json"
-    if speech.is_file():
-        data = json.loads(speech.read_text())
-        cited.append({"source": "benchmarks/results/speech.json", "case": f"{data.get('clip_seconds')} s clip",
-                      "speedup": data.get("torch_over_ort"), "how": "median of repeats"})
-    return cited
+def _linear_fit(large: float, small: float, large_layers: int, small_layers: int) -> dict[str, float]:
+    per_layer = (large - small) / (large_layers - small_layers)
+    return {"fixed_s": large - large_layers * per_layer, "per_layer_s": per_layer}
+
+
+def layer_fits(text_large: dict[str, Any], text_small: dict[str, Any], large_layers: int, small_layers: int
+               ) -> dict[str, dict[str, dict[str, float]]]:
+    """time(L) = fixed + L x per_layer for the decode step and the prefill of the text prompt, two ways:
+    "best" from the fastest step / prefill at each depth (all rounds pooled), "median" from the medians of the
+    quietest round (lowest median decode step at the larger depth), the two depths of a round having run back to
+    back."""
+    fits: dict[str, dict[str, dict[str, float]]] = {"best": {}, "median": {}}
+    fits["best"]["decode"] = _linear_fit(text_large["decode"]["best_step_s"], text_small["decode"]["best_step_s"],
+                                         large_layers, small_layers)
+    fits["best"]["prefill"] = _linear_fit(text_large["prefill_s"]["best"], text_small["prefill_s"]["best"],
+                                          large_layers, small_layers)
+    rounds = list(zip(text_large["per_round"], text_small["per_round"]))
+    quiet = min(range(len(rounds)), key=lambda i: rounds[i][0]["step_median_s"] or float("inf"))
+    large, small = rounds[quiet]
+    fits["median"]["decode"] = _linear_fit(large["step_median_s"], small["step_median_s"], large_layers, small_layers)
+    fits["median"]["prefill"] = _linear_fit(large["prefill_median_s"], small["prefill_median_s"], large_layers,
+                                            small_layers)
+    fits["median"]["round"] = {"index": quiet + 1, "of": len(rounds)}
+    return fits
 
 
 def analyse(runs: dict[int, dict[str, dict[str, Any]]], weights: dict[str, dict[str, Any]],
             bandwidth: dict[str, Any], main_layers: int, scaling_layers: int | None, vocab_size: int
             ) -> dict[str, Any]:
-    """Per backend and prompt: the measured numbers, the bandwidth bound, the 32-layer estimate; then the targets."""
+    """Per engine and prompt: the measured numbers, the bandwidth bounds, the 32-layer estimate; then the targets."""
     main = runs[main_layers]
-    bw_best = bandwidth["best_gb_s"] * GB
-    bw_median = bandwidth["median_gb_s"] * GB
+    read, copy = _bandwidths(bandwidth)
     rows: dict[str, dict[str, Any]] = {}
+    fits: dict[str, Any] = {}
     for backend, cases in main.items():
         if backend.endswith(LAST_LOGITS_SUFFIX):
             continue
         precision = backend.split("-")[1] if backend.startswith("ort-") else None
-        scaling = None
-        if scaling_layers is not None and "text" in runs[scaling_layers].get(backend, {}) and "text" in cases:
-            small, large = runs[scaling_layers][backend]["text"], cases["text"]
-            span = main_layers - scaling_layers
-            scaling = {
-                "decode_step_per_layer_s": (large["decode"]["median_step_s"] - small["decode"]["median_step_s"]) / span,
-                "prefill_per_layer_s": (large["prefill_s"]["median"] - small["prefill_s"]["median"]) / span,
-                "text_prompt_tokens": large["prompt_tokens"],
-            }
-            scaling["decode_step_fixed_s"] = (large["decode"]["median_step_s"]
-                                              - main_layers * scaling["decode_step_per_layer_s"])
-            scaling["prefill_fixed_s"] = large["prefill_s"]["median"] - main_layers * scaling["prefill_per_layer_s"]
+        small_text = runs.get(scaling_layers, {}).get(backend, {}).get("text") if scaling_layers else None
+        if small_text and "text" in cases and cases["text"].get("per_round") and small_text.get("per_round"):
+            fits[backend] = layer_fits(cases["text"], small_text, main_layers, scaling_layers)
         for prompt, result in cases.items():
             decode = result["decode"]
             row: dict[str, Any] = {
@@ -702,66 +706,80 @@ def analyse(runs: dict[int, dict[str, dict[str, Any]]], weights: dict[str, dict[
                 base = weights[f"{precision}/{VARIANT_FILES['text']}"]
                 layer_ratio = graph["per_layer_bytes"] / base["per_layer_bytes"]
                 row["bytes_per_token"] = graph["total_bytes"]
-                row["bound_tokens_per_s"] = bw_best / graph["total_bytes"]
-                row["bound_tokens_per_s_median_bandwidth"] = bw_median / graph["total_bytes"]
+                row["bound_tokens_per_s"] = read["best_gb_s"] * GB / graph["total_bytes"]
+                row["bound_tokens_per_s_memcpy"] = copy["best_gb_s"] * GB / graph["total_bytes"]
                 if decode.get("tokens_per_s_best"):
                     row["pct_of_bound_best"] = 100 * decode["tokens_per_s_best"] / row["bound_tokens_per_s"]
-                    row["pct_of_bound_median"] = (100 * decode["tokens_per_s_median"]
-                                                  / row["bound_tokens_per_s_median_bandwidth"])
-            if scaling and decode.get("median_step_s"):
-                extra_layers = REAL_TEXT_LAYERS - main_layers
-                step = decode["median_step_s"] + extra_layers * scaling["decode_step_per_layer_s"] * layer_ratio
-                prefill = row["prefill_s_median"] + extra_layers * scaling["prefill_per_layer_s"] * layer_ratio * (
-                    result["prompt_tokens"] / scaling["text_prompt_tokens"])
-                estimate = {"decode_step_s": step, "decode_tokens_per_s": 1 / step, "prefill_s": prefill,
-                            "layer_ratio": layer_ratio, **scaling}
-                if last:  # the lm_head over every prompt position costs the same at any depth
-                    saving = row["prefill_s_median"] - last["prefill_s"]["median"]
-                    estimate["prefill_s_last_logits_only"] = prefill - saving
-                    estimate["last_logits_saving_pct"] = 100 * saving / prefill
+                    row["pct_of_bound_median"] = 100 * decode["tokens_per_s_median"] / (
+                        read["median_gb_s"] * GB / graph["total_bytes"])
+                    row["pct_of_memcpy_bound_best"] = (100 * decode["tokens_per_s_best"]
+                                                       / row["bound_tokens_per_s_memcpy"])
+            if backend in fits and decode.get("median_step_s"):
+                extra = REAL_TEXT_LAYERS - main_layers
+                length = result["prompt_tokens"] / cases["text"]["prompt_tokens"]
+                estimate: dict[str, Any] = {"layer_ratio": layer_ratio, "length_ratio": length}
+                for stat, step, prefill in (("best", decode["best_step_s"], row["prefill_s_best"]),
+                                            ("median", decode["median_step_s"], row["prefill_s_median"])):
+                    fit = fits[backend][stat]
+                    step_32 = step + extra * fit["decode"]["per_layer_s"] * layer_ratio
+                    estimate[f"decode_tokens_per_s_{stat}"] = 1 / step_32 if step_32 > 0 else None
+                    estimate[f"prefill_s_{stat}"] = (prefill
+                                                     + extra * fit["prefill"]["per_layer_s"] * layer_ratio * length)
                 if graph:
                     bytes_32 = graph[f"estimated_total_bytes_{REAL_TEXT_LAYERS}_layers"]
                     estimate["bytes_per_token"] = bytes_32
-                    estimate["bound_tokens_per_s"] = bw_best / bytes_32
-                    estimate["pct_of_bound"] = 100 * (1 / step) / (bw_best / bytes_32)
+                    estimate["bound_tokens_per_s"] = read["best_gb_s"] * GB / bytes_32
+                    for stat, bw in (("best", read["best_gb_s"]), ("median", read["median_gb_s"])):
+                        rate = estimate[f"decode_tokens_per_s_{stat}"]
+                        estimate[f"pct_of_bound_{stat}"] = 100 * rate / (bw * GB / bytes_32) if rate else None
+                if last:
+                    saving = row["prefill_s_median"] - last["prefill_s"]["median"]
+                    estimate["prefill_s_median_last_logits_only"] = estimate["prefill_s_median"] - saving
+                    estimate["last_logits_saving_pct"] = 100 * saving / estimate["prefill_s_median"]
                 row[f"estimate_{REAL_TEXT_LAYERS}_layers"] = estimate
             rows[f"{backend}/{prompt}"] = row
 
-    def get(backend: str, prompt: str, key: str, estimate: bool = False) -> float | None:
-        row = rows.get(f"{backend}/{prompt}", {})
-        if estimate:
-            row = row.get(f"estimate_{REAL_TEXT_LAYERS}_layers", {})
-        return row.get(key)
-
-    targets = []
     prompts = list(dict.fromkeys(row["prompt"] for row in rows.values()))
+    targets: list[dict[str, Any]] = []
+
+    def value(backend: str, prompt: str, key: str, estimate: bool) -> float | None:
+        row = rows.get(f"{backend}/{prompt}", {})
+        return (row.get(f"estimate_{REAL_TEXT_LAYERS}_layers", {}) if estimate else row).get(key)
+
+    def add(name: str, scope: str, stat: str, prompt: str, number: float | None, threshold: float, unit: str,
+            strict: bool = False) -> None:
+        if number is None:
+            return
+        targets.append({"target": name, "scope": scope, "statistic": stat, "prompt": prompt, "value": number,
+                        "threshold": threshold, "unit": unit, "comparison": ">" if strict else ">=",
+                        "met": number > threshold if strict else number >= threshold})
+
     for estimate in (False, True):
-        where = f"{REAL_TEXT_LAYERS}-layer estimate" if estimate else f"measured, {main_layers} layers"
-        rate_key = "decode_tokens_per_s" if estimate else "decode_tokens_per_s_median"
+        scope = f"{REAL_TEXT_LAYERS}-layer estimate" if estimate else f"measured, {main_layers} layers"
+        for stat in ("median", "best"):
+            key = f"decode_tokens_per_s_{stat}"
+            for prompt in prompts:
+                torch_rate = value("torch-fp32", prompt, key, estimate)
+                int4_rate = value("ort-int4", prompt, key, estimate)
+                fp32_rate = value("ort-fp32", prompt, key, estimate)
+                if torch_rate:
+                    add("int4 decode vs PyTorch fp32 decode", scope, stat, prompt,
+                        int4_rate / torch_rate if int4_rate else None, 5.0, "x")
+                    add("ORT fp32 decode vs PyTorch fp32 decode", scope, stat, prompt,
+                        fp32_rate / torch_rate if fp32_rate else None, 1.0, "x", strict=True)
+                add("int4 decode, % of the read-bandwidth bound", scope, stat, prompt,
+                    value("ort-int4", prompt, f"pct_of_bound_{stat}", estimate), 60.0, "%")
         for prompt in prompts:
-            torch_rate = get("torch-fp32", prompt, rate_key, estimate)
-            int4_rate = get("ort-int4", prompt, rate_key, estimate)
-            fp32_rate = get("ort-fp32", prompt, rate_key, estimate)
-            if int4_rate and torch_rate:
-                targets.append(_target(f"{prompt} ({where}): int4 decode vs PyTorch fp32", int4_rate / torch_rate,
-                                       5.0, "x", "ratio of median decode tokens/s"))
-            pct = get("ort-int4", prompt, "pct_of_bound" if estimate else "pct_of_bound_best", estimate)
-            if pct is not None:
-                targets.append(_target(f"{prompt} ({where}): int4 decode, % of bandwidth bound", pct, 60.0, "%",
-                                       "estimated rate vs bound" if estimate else "fastest step vs best bandwidth"))
-            if fp32_rate and torch_rate:
-                targets.append(_target(f"{prompt} ({where}): ORT fp32 decode vs PyTorch fp32", fp32_rate / torch_rate,
-                                       1.0, "x", "ratio of median decode tokens/s", strict=True))
+            add("int4 decode, % of the memcpy bound", scope, "best", prompt,
+                value("ort-int4", prompt, "pct_of_memcpy_bound_best", False) if not estimate else None, 60.0, "%")
     for prompt in prompts:
         encoder_ab = (main.get("torch-fp32", {}).get(prompt) or {}).get("encoder_ab")
         if encoder_ab and "ort-fp32" in encoder_ab:
-            speedup = encoder_ab["torch-fp32"]["median"] / encoder_ab["ort-fp32"]["median"]
-            targets.append(_target(f"{prompt}: {'vision' if 'image' in prompt else 'speech'} encoder, ORT fp32 vs "
-                                   "PyTorch fp32", speedup, 1.5, "x",
-                                   "this run, in turn: ratio of median times"))
-    for cited in _cited_encoder_speedups():
-        targets.append(_target(f"{cited['case']}: encoder, ORT fp32 vs PyTorch fp32 ({cited['source']})",
-                               cited["speedup"], 1.5, "x", cited["how"]))
+            name = f"{'vision' if 'image' in prompt else 'speech'} encoder, ORT fp32 vs PyTorch fp32"
+            for stat in ("median", "best"):
+                add(name, f"measured, {encoder_ab['graph']}", stat, prompt,
+                    encoder_ab["torch-fp32"][stat] / encoder_ab["ort-fp32"][stat], 1.5, "x")
+
     findings = []
     for prompt in prompts:
         for precision in PRECISIONS:
@@ -776,34 +794,67 @@ def analyse(runs: dict[int, dict[str, dict[str, Any]]], weights: dict[str, dict[
             estimate = row.get(f"estimate_{REAL_TEXT_LAYERS}_layers", {})
             if "last_logits_saving_pct" in estimate:
                 text += (f", estimated -{estimate['last_logits_saving_pct']:.0f}% at {REAL_TEXT_LAYERS} layers "
-                         f"({estimate['prefill_s']:.0f} -> {estimate['prefill_s_last_logits_only']:.0f} s)")
+                         f"({estimate['prefill_s_median']:.0f} -> "
+                         f"{estimate['prefill_s_median_last_logits_only']:.0f} s)")
             findings.append(text)
     for prompt in prompts:
-        fp32, int4 = get("ort-fp32", prompt, "prefill_s_best"), get("ort-int4", prompt, "prefill_s_best")
+        fp32 = rows.get(f"ort-fp32/{prompt}", {}).get("prefill_s_best")
+        int4 = rows.get(f"ort-int4/{prompt}", {}).get("prefill_s_best")
         if fp32 and int4:
             findings.append(f"{prompt}: ORT int4 prefill takes {int4 / fp32:.2f}x the fp32 time "
-                            f"({int4:.1f} vs {fp32:.1f} s)")
-    return {"rows": rows, "targets": targets, "findings": findings}
+                            f"({int4:.2f} vs {fp32:.2f} s, best)")
+    for prompt in prompts:
+        encoder_ab = (main.get("torch-fp32", {}).get(prompt) or {}).get("encoder_ab")
+        if encoder_ab and "ort-int4" in encoder_ab and "ort-fp32" in encoder_ab:
+            findings.append(f"{prompt}: the int4 package's {encoder_ab['graph']} takes "
+                            f"{encoder_ab['ort-int4']['median'] / encoder_ab['ort-fp32']['median']:.2f}x the fp32 "
+                            f"one's time ({encoder_ab['ort-int4']['median']:.2f} vs "
+                            f"{encoder_ab['ort-fp32']['median']:.2f} s, medians)")
+    return {"rows": rows, "fits": fits, "targets": targets, "findings": findings,
+            "cited_encoder_speedups": _cited_encoder_speedups()}
+
+
+def _cited_encoder_speedups() -> list[dict[str, Any]]:
+    """Encoder speed-ups from bench_vision.py / bench_speech.py results, when those files exist."""
+    cited = []
+    vision = ROOT / "benchmarks" / "results" / "vision.json"
+    if vision.is_file():
+        data = json.loads(vision.read_text())
+        for name, case in data.get("cases", {}).items():
+            cited.append({"source": "benchmarks/results/vision.json", "case": name,
+                          "speedup": case.get("speedup_fused_vs_torch"), "statistic": "median"})
+    speech = ROOT / "benchmarks" / "results" / "speech.json"
+    if speech.is_file():
+        data = json.loads(speech.read_text())
+        cited.append({"source": "benchmarks/results/speech.json", "case": f"{data.get('clip_seconds')} s clip",
+                      "speedup": data.get("torch_over_ort"), "statistic": "median"})
+    return cited
 
 
 # ---- report -------------------------------------------------------------------------------------------------------
 
 
 def _gb(value: float | None) -> str:
-    return "-" if value is None else f"{value / GB:.2f}"
+    return "" if value is None else f"{value / GB:.2f}"
+
+
+def _pair(first: float | None, second: float | None, digits: int = 2) -> str:
+    return f"{fmt(first, digits)} / {fmt(second, digits)}"
 
 
 def report_markdown(result: dict[str, Any]) -> str:
-    rows = result["analysis"]["rows"]
+    analysis = result["analysis"]
+    rows = analysis["rows"]
     setup = result["setup"]
-    bw = result["bandwidth"]
+    read, copy = _bandwidths(result["bandwidth"])
     machine = result["machine"]
     est = f"estimate_{REAL_TEXT_LAYERS}_layers"
+    with_last = any("prefill_s_best_last_logits_only" in row for row in rows.values())
     lines = [
-        f"Command: `{result['command']}` ({setup['measure_s'] / 60:.1f} min of measurement; the checkpoints and "
-        f"packages are built once into the work folder, {setup['setup_s'] / 60:.1f} min this time). Machine: "
+        f"Command: `{result['command']}` ({setup['measure_s'] / 60:.1f} min of measurement; checkpoints and packages "
+        f"are built once into the work folder, {setup['setup_s'] / 60:.1f} min this time). Machine: "
         f"{machine['cpu_model']}, {machine['logical_cores']} cores, {machine['ram_bytes'] / GB:.0f} GB RAM, load "
-        f"average {machine['load_average'][0]} at the end (other jobs were running).",
+        f"average {machine['load_average'][0]} at the end; other jobs were running, see best vs median.",
         "",
         f"Model: full-width random checkpoint (hidden {setup['hidden_size']}, intermediate "
         f"{setup['intermediate_size']}, vocab {setup['vocab_size']}) with {setup['text_layers']} decoder layers "
@@ -814,84 +865,113 @@ def report_markdown(result: dict[str, Any]) -> str:
         "same weights, the prompt's LoRA merged, KV cache, last-position logits only.",
         "",
         "Each engine runs in its own process, one after the other. The text prompt is run in "
-        f"{setup.get('rounds', 1)} rounds (every engine and depth once per round, so background load is shared); "
-        "the media prompts once per engine, the engines in turn per decoder variant (image prompts, then audio); "
-        "a last-position-logits run follows its prompt's built-decoder run directly. Prefill = processor tensors "
-        "-> first token (encoders + embedding + decoder over the prompt): best / median of up to "
-        f"{setup['repeats']} runs per process (fewer once a prompt's prefills took {setup['budget_s']:.0f} s; "
-        "counts in the JSON). Decode = the tokens after the first, each step timed: 1 / median step and "
-        "1 / fastest step. Encoder = the vision / speech graph alone, the fp32 and int4 packages' graphs and the "
-        "PyTorch code run in turn (best of the rounds). Bound = memcpy bandwidth / bytes of decoder MatMul weights "
-        "read per step (all layers, the variant's LoRA branches, lm_head; int4 = packed + scales + zero points); "
-        "% = fastest step vs best bandwidth.",
+        f"{setup.get('rounds', 1)} rounds (every engine at both depths once per round, so background load is shared); "
+        "the media prompts once per engine, the engines in turn per decoder variant (image prompts, then audio). "
+        "Prefill = processor tensors -> first token (encoders + embedding + decoder over the prompt): best / median "
+        f"of up to {setup['repeats']} runs per process (fewer once a prompt's prefills took {setup['budget_s']:.0f} "
+        "s; counts in the JSON). Decode = the tokens after the first, each step timed: 1 / median step and 1 / "
+        "fastest step. Encoder = the vision / speech graph alone: the fp32 and int4 packages' graphs and the PyTorch "
+        "code in turn in one process.",
         "",
-        f"Memory bandwidth (numpy copy of {bw['size_bytes'] / GB:.2f} GB, bytes copied per second; fastest of the "
-        f"probes before and after the measurements, {bw['threads']} thread(s)): best {bw['best_gb_s']:.1f} GB/s, "
-        f"median {bw['median_gb_s']:.1f} GB/s. A copy also writes what it reads, so this is a conservative (low) "
-        "read bandwidth and the bound a conservative (low) bound.",
+        f"Memory bandwidth (1 GB numpy arrays, fastest of the probes before and after the measurements): read "
+        f"(max() over the array) best {read['best_gb_s']:.1f} GB/s, median {read['median_gb_s']:.1f} GB/s "
+        f"({read['threads']} threads); copy best {copy['best_gb_s']:.1f} GB/s of bytes copied ({copy['threads']} "
+        "threads). Bound = read bandwidth / bytes of decoder MatMul weights read per step (every layer, the variant's "
+        "LoRA branches, lm_head; int4 = packed weights + scales + zero points); the memcpy bound (copy bandwidth "
+        "instead) is lower than what fp32 decoding reaches, so it is shown but not used.",
         "",
     ]
     table = []
-    with_last = any("prefill_s_best_last_logits_only" in row for row in rows.values())
     for row in rows.values():
         last = row.get("prefill_s_best_last_logits_only")
         table.append([
             row["backend"], row["prompt"], row["prompt_tokens"],
-            f"{fmt(row['prefill_s_best'])} / {fmt(row['prefill_s_median'])}",
+            _pair(row["prefill_s_best"], row["prefill_s_median"]),
             *([f"{fmt(last)} (-{fmt(row['prefill_saving_last_logits_only_pct'], 0)}%)" if last else ""]
               if with_last else []),
-            fmt(row.get("encoder_s_best")) if row.get("encoder_s_best") else "",
-            f"{fmt(row['decode_tokens_per_s_median'])} / {fmt(row['decode_tokens_per_s_best'])}",
-            _gb(row.get("bytes_per_token")) if row.get("bytes_per_token") else "",
-            f"{fmt(row['bound_tokens_per_s'])} ({fmt(row['pct_of_bound_best'], 0)}%)"
-            if row.get("pct_of_bound_best") else "",
+            _pair(row.get("encoder_s_best"), row.get("encoder_s_median")) if row.get("encoder_s_best") else "",
+            _pair(row["decode_tokens_per_s_median"], row["decode_tokens_per_s_best"]),
+            _gb(row.get("bytes_per_token")),
+            f"{fmt(row['bound_tokens_per_s'], 1)} ({fmt(row['pct_of_bound_median'], 0)}% / "
+            f"{fmt(row['pct_of_bound_best'], 0)}%)" if row.get("pct_of_bound_best") else "",
+            f"{fmt(row['pct_of_memcpy_bound_best'], 0)}%" if row.get("pct_of_memcpy_bound_best") else "",
             _gb(row.get("peak_rss_bytes")),
         ])
     headers = ["engine", "prompt", "tokens", "prefill s best / median",
                *(["prefill s, last-position logits only"] if with_last else []),
-               "encoder s", "decode tok/s median / best", "weights GB/step", "bound tok/s (best % of it)",
-               "peak RSS GB"]
+               "encoder s best / median", "decode tok/s median / best", "weights GB/step",
+               "bound tok/s (median / best as %)", "best as % of memcpy bound", "peak RSS GB"]
     lines.append(markdown_table(headers, table, "ll" + "r" * (len(headers) - 2)))
-    scaled = [row for row in rows.values() if row.get(est)]
-    if scaled:
+
+    fits = analysis.get("fits", {})
+    if fits:
         lines += [
             "",
-            f"Estimate for the real {REAL_TEXT_LAYERS}-layer decoder (encoders left at their reduced depth): from the "
-            f"text prompt at {setup['scaling_layers']} and {setup['text_layers']} decoder layers, time(L) = fixed + "
-            "L x per-layer for the median decode step and the median prefill. Each prompt's measured time gets "
-            f"({REAL_TEXT_LAYERS} - {setup['text_layers']}) x per-layer added, scaled by the prompt length (prefill) "
-            "and by the variant's per-layer weight bytes relative to the base decoder (its LoRA branches; 1 for "
-            f"PyTorch, whose LoRA is merged). Bytes per step at {REAL_TEXT_LAYERS} layers = fixed (lm_head) + "
-            f"{REAL_TEXT_LAYERS} x one layer, from the graph."
-            + (" The last-position-logits column subtracts the saving measured at "
-               f"{setup['text_layers']} layers (the lm_head work does not depend on the depth)." if with_last else ""),
+            f"Estimate for the real {REAL_TEXT_LAYERS}-layer decoder. From the text prompt at "
+            f"{setup['scaling_layers']} and {setup['text_layers']} decoder layers: time(L) = fixed + L x per-layer, "
+            "\"best\" from the fastest decode step / prefill at each depth, \"median\" from the medians of the "
+            "quietest round (both depths back to back). Each prompt's measured time then gets "
+            f"({REAL_TEXT_LAYERS} - {setup['text_layers']}) x per-layer added, scaled by its prompt length (prefill) "
+            "and by its decoder variant's per-layer weight bytes relative to the base decoder (LoRA branches; 1 for "
+            "PyTorch, whose LoRA is merged). The encoders stay at their reduced depth. Bytes per step at "
+            f"{REAL_TEXT_LAYERS} layers = fixed (lm_head) + {REAL_TEXT_LAYERS} x one layer, from the graph.",
             "",
         ]
         table = []
-        for row in scaled:
-            e = row[est]
+        for backend, fit in fits.items():
+            table.append([
+                backend,
+                f"{1000 * fit['best']['decode']['fixed_s']:.0f} + {1000 * fit['best']['decode']['per_layer_s']:.1f} L",
+                f"{1000 * fit['median']['decode']['fixed_s']:.0f} + "
+                f"{1000 * fit['median']['decode']['per_layer_s']:.1f} L",
+                f"{fit['best']['prefill']['fixed_s']:.2f} + {fit['best']['prefill']['per_layer_s']:.3f} L",
+                f"{fit['median']['prefill']['fixed_s']:.2f} + {fit['median']['prefill']['per_layer_s']:.3f} L",
+            ])
+        lines.append(markdown_table(["engine", "text decode step ms (best)", "(median)", "text prefill s (best)",
+                                     "(median)"], table, "lllll"))
+        lines.append("")
+        table = []
+        for row in rows.values():
+            e = row.get(est)
+            if not e:
+                continue
             table.append([
                 row["backend"], row["prompt"],
-                f"{1000 * e['decode_step_fixed_s']:.0f} + {1000 * e['decode_step_per_layer_s']:.1f} x L",
-                fmt(e["decode_tokens_per_s"]),
-                f"{fmt(e['bound_tokens_per_s'])} ({fmt(e['pct_of_bound'], 0)}%)" if e.get("bound_tokens_per_s") else "",
-                f"{fmt(e['prefill_fixed_s'])} + {fmt(e['prefill_per_layer_s'], 3)} x L",
-                fmt(e["prefill_s"], 1),
-                *([f"{fmt(e['prefill_s_last_logits_only'], 1)} (-{fmt(e['last_logits_saving_pct'], 0)}%)"
+                _pair(e["decode_tokens_per_s_median"], e["decode_tokens_per_s_best"]),
+                f"{fmt(e['bound_tokens_per_s'])} ({fmt(e['pct_of_bound_median'], 0)}% / "
+                f"{fmt(e['pct_of_bound_best'], 0)}%)" if e.get("bound_tokens_per_s") else "",
+                _pair(e["prefill_s_best"], e["prefill_s_median"], 1),
+                *([f"{fmt(e['prefill_s_median_last_logits_only'], 1)} (-{fmt(e['last_logits_saving_pct'], 0)}%)"
                    if "last_logits_saving_pct" in e else ""] if with_last else []),
             ])
-        headers = ["engine", "prompt", "text decode step ms", f"decode tok/s @{REAL_TEXT_LAYERS}",
-                   f"bound tok/s @{REAL_TEXT_LAYERS} (%)", "text prefill s", f"prefill s @{REAL_TEXT_LAYERS}",
-                   *([f"prefill s @{REAL_TEXT_LAYERS}, last-position logits only"] if with_last else [])]
+        headers = ["engine", "prompt", f"decode tok/s @{REAL_TEXT_LAYERS} median / best",
+                   f"bound tok/s @{REAL_TEXT_LAYERS} (median / best as %)",
+                   f"prefill s @{REAL_TEXT_LAYERS} best / median",
+                   *([f"prefill s @{REAL_TEXT_LAYERS}, last-position logits only (median)"] if with_last else [])]
         lines.append(markdown_table(headers, table, "ll" + "r" * (len(headers) - 2)))
-    lines += ["", "Targets (measured at the reduced depth and, where available, the 32-layer estimate):", ""]
-    lines.append(markdown_table(
-        ["target", "value", "needed", "met", "how"],
-        [[t["target"], fmt(t["value"]) + t["unit"], t["comparison"] + " " + fmt(t["threshold"], 1) + t["unit"],
-          "yes" if t["met"] else "**no**", t["how"]] for t in result["analysis"]["targets"]], "lrrll"))
-    findings = result["analysis"].get("findings", [])
-    if findings:
-        lines += ["", "Findings:", ""] + [f"- {text}" for text in findings]
+
+    prompts = list(dict.fromkeys(t["prompt"] for t in analysis["targets"]))
+    grouped: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
+    for t in analysis["targets"]:
+        grouped.setdefault((t["target"], t["scope"], t["statistic"]), {})[t["prompt"]] = t
+    table = []
+    for (name, scope, stat), by_prompt in grouped.items():
+        first = next(iter(by_prompt.values()))
+        met = sum(t["met"] for t in by_prompt.values())
+        table.append([name, scope, stat,
+                      *[(fmt(by_prompt[p]["value"], 1 if first["unit"] == "%" else 2) + first["unit"]
+                         + ("" if by_prompt[p]["met"] else " **x**")) if p in by_prompt else "" for p in prompts],
+                      f"{first['comparison']} {fmt(first['threshold'], 1)}{first['unit']}",
+                      "all" if met == len(by_prompt) else "none" if met == 0 else f"{met} of {len(by_prompt)}"])
+    lines += ["", "Targets (**x** = not met):", ""]
+    lines.append(markdown_table(["target", "scope", "statistic", *prompts, "needed", "met"], table,
+                                "lll" + "r" * (len(prompts) + 1) + "l"))
+    cited = analysis.get("cited_encoder_speedups") or []
+    if cited:
+        lines += ["", "Encoder speed-ups of ORT fp32 over PyTorch fp32 from the encoder benchmarks: " + "; ".join(
+            f"{c['case']} {fmt(c['speedup'])}x ({c['source']}, {c['statistic']})" for c in cited) + "."]
+    if analysis.get("findings"):
+        lines += ["", "Findings:", ""] + [f"- {text}" for text in analysis["findings"]]
     if result.get("notes"):
         lines += ["", "Checks:", ""] + [f"- {note}" for note in result["notes"]]
     return "\n".join(lines)
@@ -987,10 +1067,11 @@ def main(argv: list[str] | None = None) -> int:
         if last_logits_prompts else {}
 
     def probe_bandwidth(when: str) -> list[dict[str, Any]]:
-        found = [dict(memcpy_bandwidth(threads=t).as_dict(), when=when) for t in sorted({1, args.threads})]
+        found = [dict(probe(threads=t).as_dict(), when=when)
+                 for probe in (memcpy_bandwidth, read_bandwidth) for t in sorted({1, args.threads})]
         print(f"memory bandwidth ({when}): " + ", ".join(
-            f"{p['threads']} thread(s) best {p['best_gb_s']:.1f} / median {p['median_gb_s']:.1f} GB/s" for p in found),
-            flush=True)
+            f"{p['kind']} {p['threads']} thread(s) best {p['best_gb_s']:.1f} / median {p['median_gb_s']:.1f} GB/s"
+            for p in found), flush=True)
         return found
 
     probes = probe_bandwidth("start")
@@ -1047,9 +1128,11 @@ def main(argv: list[str] | None = None) -> int:
                      for backend, by_prompt in by_backend.items()}
             for layers, by_backend in collected.items()}
     measure_s = time.perf_counter() - measure_start
-    # Background load only ever makes the copy slower, so the fastest probe (start or end) is the machine's figure.
+    # Background load only ever makes a probe slower, so the fastest one (start or end) is the machine's figure.
     probes += probe_bandwidth("end")
-    bandwidth = dict(max(probes, key=lambda p: p["best_gb_s"]), probes=probes)
+    bandwidth = {kind: max((p for p in probes if p["kind"] == kind), key=lambda p: p["best_gb_s"])
+                 for kind in ("read", "copy")}
+    bandwidth["probes"] = probes
 
     for prompt in prompt_names:
         ort_tokens = runs[main_layers].get("ort-fp32", {}).get(prompt, {}).get("tokens")

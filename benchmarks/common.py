@@ -137,8 +137,10 @@ def machine_markdown(machine: dict[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class Bandwidth:
-    """memcpy speed: bytes copied per second (each copied byte is also read once and written once)."""
+    """Memory bandwidth of one probe: "copy" = bytes copied per second (each also read and written once), "read" =
+    bytes read per second by a reduction that writes nothing."""
 
+    kind: str
     size_bytes: int
     threads: int
     best_gb_s: float
@@ -149,32 +151,45 @@ class Bandwidth:
         return asdict(self)
 
 
-def memcpy_bandwidth(size_bytes: int = GIB, repeats: int = 7, threads: int = 1) -> Bandwidth:
-    """Copy a `size_bytes` array into another with numpy (`threads` Python threads, each one slice; numpy releases
-    the GIL while copying), `repeats` times; GB/s = size_bytes / seconds (one copy, not read + write counted twice)."""
-    count = size_bytes // 8
-    source = np.ones(count, dtype=np.float64)  # touched, so page faults are not timed
-    target = np.zeros_like(source)
+def _bandwidth_probe(kind: str, size_bytes: int, repeats: int, threads: int) -> Bandwidth:
+    count = size_bytes // 4
+    source = np.ones(count, dtype=np.float32)  # touched, so page faults are not timed
+    target = np.zeros_like(source) if kind == "copy" else None
     bounds = np.linspace(0, count, threads + 1).astype(np.int64)
     slices = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
 
-    def copy(part: slice) -> None:
-        np.copyto(target[part], source[part])
+    def work(part: slice) -> None:  # numpy releases the GIL in both, so the threads run in parallel
+        if target is not None:
+            np.copyto(target[part], source[part])
+        else:
+            source[part].max()
 
     runs = []
     for _ in range(repeats):
         start = time.perf_counter()
         if threads == 1:
-            copy(slices[0])
+            work(slices[0])
         else:
-            workers = [threading.Thread(target=copy, args=(part,)) for part in slices]
+            workers = [threading.Thread(target=work, args=(part,)) for part in slices]
             for w in workers:
                 w.start()
             for w in workers:
                 w.join()
-        runs.append(count * 8 / (time.perf_counter() - start) / GB)
+        runs.append(count * 4 / (time.perf_counter() - start) / GB)
     del source, target
-    return Bandwidth(count * 8, threads, max(runs), statistics.median(runs), tuple(round(r, 2) for r in runs))
+    return Bandwidth(kind, count * 4, threads, max(runs), statistics.median(runs), tuple(round(r, 2) for r in runs))
+
+
+def memcpy_bandwidth(size_bytes: int = GIB, repeats: int = 7, threads: int = 1) -> Bandwidth:
+    """numpy copy of a `size_bytes` array, `threads` Python threads one slice each, `repeats` times; GB/s = bytes
+    copied / s (the memory moves twice that: every byte is read and written)."""
+    return _bandwidth_probe("copy", size_bytes, repeats, threads)
+
+
+def read_bandwidth(size_bytes: int = GIB, repeats: int = 7, threads: int = 1) -> Bandwidth:
+    """numpy max() over a `size_bytes` float32 array (reads only), `threads` threads one slice each; GB/s = bytes
+    read / s. Closer than a copy to what a decode step does with its weights."""
+    return _bandwidth_probe("read", size_bytes, repeats, threads)
 
 
 # ---- output -------------------------------------------------------------------------------------------------------

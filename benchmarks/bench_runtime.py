@@ -678,6 +678,13 @@ def analyse(runs: dict[int, dict[str, dict[str, Any]]], weights: dict[str, dict[
         small_text = runs.get(scaling_layers, {}).get(backend, {}).get("text") if scaling_layers else None
         if small_text and "text" in cases and cases["text"].get("per_round") and small_text.get("per_round"):
             fits[backend] = layer_fits(cases["text"], small_text, main_layers, scaling_layers)
+            # The bandwidth a decode layer's weights imply (PyTorch reads the fp32 base weights, its LoRA merged); a
+            # per-layer time <= 0 is noise from background load and its estimate is not used.
+            layer_bytes = weights[f"{precision or 'fp32'}/{VARIANT_FILES['text']}"]["per_layer_bytes"]
+            for stat in ("best", "median"):
+                fit = fits[backend][stat]["decode"]
+                fit["plausible"] = fit["per_layer_s"] > 0
+                fit["layer_gb_s"] = layer_bytes / fit["per_layer_s"] / GB if fit["plausible"] else None
         for prompt, result in cases.items():
             decode = result["decode"]
             row: dict[str, Any] = {
@@ -722,7 +729,8 @@ def analyse(runs: dict[int, dict[str, dict[str, Any]]], weights: dict[str, dict[
                                             ("median", decode["median_step_s"], row["prefill_s_median"])):
                     fit = fits[backend][stat]
                     step_32 = step + extra * fit["decode"]["per_layer_s"] * layer_ratio
-                    estimate[f"decode_tokens_per_s_{stat}"] = 1 / step_32 if step_32 > 0 else None
+                    plausible = fit["decode"]["plausible"] and step_32 > 0
+                    estimate[f"decode_tokens_per_s_{stat}"] = 1 / step_32 if plausible else None
                     estimate[f"prefill_s_{stat}"] = (prefill
                                                      + extra * fit["prefill"]["per_layer_s"] * layer_ratio * length)
                 if graph:
@@ -918,12 +926,16 @@ def report_markdown(result: dict[str, Any]) -> str:
             "",
         ]
         table = []
+
+        def decode_fit(fit: dict[str, Any]) -> str:
+            text = f"{1000 * fit['fixed_s']:.0f} + {1000 * fit['per_layer_s']:.1f} L"
+            if not fit.get("plausible", True):
+                return text + " (noise, not used)"
+            return text + (f" ({fit['layer_gb_s']:.1f} GB/s per layer)" if fit.get("layer_gb_s") else "")
+
         for backend, fit in fits.items():
             table.append([
-                backend,
-                f"{1000 * fit['best']['decode']['fixed_s']:.0f} + {1000 * fit['best']['decode']['per_layer_s']:.1f} L",
-                f"{1000 * fit['median']['decode']['fixed_s']:.0f} + "
-                f"{1000 * fit['median']['decode']['per_layer_s']:.1f} L",
+                backend, decode_fit(fit["best"]["decode"]), decode_fit(fit["median"]["decode"]),
                 f"{fit['best']['prefill']['fixed_s']:.2f} + {fit['best']['prefill']['per_layer_s']:.3f} L",
                 f"{fit['median']['prefill']['fixed_s']:.2f} + {fit['median']['prefill']['per_layer_s']:.3f} L",
             ])
@@ -993,7 +1005,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--last-logits-prompts", default="text,image-1crop",
                         help="prompts whose prefill is also run with last-position-logits decoders ('' = none)")
     parser.add_argument("--encoder-prompts", default="image-1crop,audio-10s",
-                        help="prompts whose vision/speech graph is also timed alone in ORT fp32 ('' = none)")
+                        help="prompts whose vision/speech graphs (fp32, int4) and PyTorch encoder are also timed "
+                        "alone, in turn ('' = none)")
     parser.add_argument("--rounds", type=int, default=2, help="rounds of the text prompt: every engine (and layer "
                         "count) once per round, so background load hits them alike")
     parser.add_argument("--new-tokens", type=int, default=16)

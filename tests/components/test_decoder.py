@@ -22,8 +22,8 @@ import torch
 from builder_plugin.components.decoder import (
     MAIN_DECODER,
     ROUTED_FILENAMES,
-    DecoderBuildError,
     DecoderBuilder,
+    DecoderBuildError,
     decoder_variants,
 )
 from builder_plugin.components.spec import Component, check_io
@@ -258,6 +258,55 @@ def test_int4_runs_on_cpu_close_to_fp32(tiny_checkpoint, tiny_config, tiny_weigh
     # Random Gaussian weights are a harsh case for 4-bit RTN (the 200064-row lm_head dominates): measured 0.81-0.93
     # depending on the checkpoint's seed and scales; a wiring error (wrong layout, scale or block) gives ~0.
     assert cosine > 0.7
+
+
+def _canonical_nodes(graph: onnx.GraphProto) -> list[tuple]:
+    """Nodes as comparable tuples, attributes sorted by name (the quantizer may reorder an If's branches)."""
+    def attribute(attr: onnx.AttributeProto) -> tuple:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            return attr.name, _canonical_nodes(attr.g), [o.SerializeToString() for o in attr.g.output]
+        return attr.name, attr.SerializeToString()
+
+    return [(n.op_type, n.domain, n.name, list(n.input), list(n.output),
+             sorted((attribute(a) for a in n.attribute), key=lambda item: item[0])) for n in graph.node]
+
+
+def test_streaming_int4_equals_whole_graph_quantization(tiny_checkpoint, tiny_config, tiny_weights, fp32_builds,
+                                                       tmp_path) -> None:
+    """The streaming int4 build (weights quantized one at a time while writing, base weights shared by the three
+    variants) gives the same tensors, nodes and outputs as the non-streaming path: each fp32 variant loaded whole
+    and quantized by onnxruntime's MatMulNBitsQuantizer."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    options = _options(tiny_checkpoint, precision="int4", lora="routed")
+    _, streamed = _build_and_save(tiny_config, tiny_weights, options, tmp_path / "streamed")
+    _, float_paths = fp32_builds[(("lora", "routed"),)]
+    hidden = tiny_config.text.hidden_size
+    rng = np.random.default_rng(5)
+    embeds = rng.standard_normal((1, 24, hidden)).astype(np.float32) * 0.5
+    steps = [rng.standard_normal((1, 1, hidden)).astype(np.float32) * 0.5 for _ in range(3)]
+    assert sorted(streamed) == sorted(float_paths)
+    for filename, path in streamed.items():
+        quantizer = MatMulNBitsQuantizer(onnx.load(str(float_paths[filename])), block_size=options.block_size,
+                                         is_symmetric=True, accuracy_level=options.accuracy_level)
+        quantizer.process()
+        whole = quantizer.model.model
+        whole_tensors = {t.name: onnx.numpy_helper.to_array(t) for t in whole.graph.initializer}
+        whole_path = tmp_path / "whole" / filename
+        whole_path.parent.mkdir(exist_ok=True)
+        onnx.save(whole, str(whole_path), save_as_external_data=True, location=filename + ".data")
+
+        ours = onnx.load(str(path))
+        ours_tensors = {t.name: onnx.numpy_helper.to_array(t) for t in ours.graph.initializer}
+        assert sorted(ours_tensors) == sorted(whole_tensors), filename
+        for name, array in ours_tensors.items():
+            assert array.dtype == whole_tensors[name].dtype, name
+            assert array.tobytes() == whole_tensors[name].tobytes(), name
+        assert _canonical_nodes(ours.graph) == _canonical_nodes(whole.graph), filename
+
+        got = SharedBufferDecoder(path, tiny_config).run(embeds, steps)[1]
+        want = SharedBufferDecoder(whole_path, tiny_config).run(embeds, steps)[1]
+        np.testing.assert_array_equal(np.stack(got), np.stack(want))
 
 
 def _register_ort_onnx_domain_schemas() -> None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -36,32 +35,15 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from common import current_rss_bytes, peak_rss_bytes, rss_split  # noqa: E402
+
 RESULTS = REPO / "benchmarks" / "results" / "decoder_build.json"
 DEFAULT_WORK = Path(tempfile.gettempdir()) / "bench_decoder"
 MODES = ("ours", "ours-routed", "stock")
 PREFILL_TOKENS = 64
 DECODE_STEPS = 16
-
-
-def _rss_now() -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def _rss_split() -> dict[str, int]:
-    """Current anonymous vs file-backed resident memory (mmap'd checkpoint pages count as RssFile)."""
-    found = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key = line.split(":")[0]
-        if key in ("RssAnon", "RssFile"):
-            found[key] = int(line.split()[1]) * 1024
-    return found
 
 
 def _files(folder: Path) -> dict[str, int]:
@@ -93,7 +75,7 @@ def worker_ours(checkpoint: Path, out: Path, lora: str) -> dict[str, Any]:
 
     genai_builder_class()
     imported = time.perf_counter()
-    rss_imported = _rss_now()
+    rss_imported = current_rss_bytes()
 
     config = Phi4MMConfig.from_dir(checkpoint)
     weights = route_weights(CheckpointReader(checkpoint, config.source_format), config)[Component.DECODER]
@@ -112,8 +94,8 @@ def worker_ours(checkpoint: Path, out: Path, lora: str) -> dict[str, Any]:
         "quantize_and_write_s": saved - graphs,
         "build_s": saved - imported,
         "rss_after_import_bytes": rss_imported,
-        "peak_rss_bytes": _peak_rss(),
-        "rss_at_end": _rss_split(),
+        "peak_rss_bytes": peak_rss_bytes(),
+        "rss_at_end": rss_split(),
         "files": _files(out),
         "data_written_bytes": store.written_bytes,
         "data_deduplicated_bytes": store.reused_bytes,
@@ -199,8 +181,10 @@ def worker_stock(checkpoint: Path, out: Path) -> dict[str, Any]:
     start = time.perf_counter()
     import onnx_ir as ir
 
+    # isort: off
     import onnxruntime_genai.models.builder  # noqa: F401  - first, for the top-level `builders` modules
     from builders.phi import Phi4MMModel
+    # isort: on
 
     from builder_plugin.checkpoint.reader import CheckpointReader
     from builder_plugin.checkpoint.routing import route_weights
@@ -209,7 +193,7 @@ def worker_stock(checkpoint: Path, out: Path) -> dict[str, Any]:
     from builder_plugin.config import Phi4MMConfig
 
     imported = time.perf_counter()
-    rss_imported = _rss_now()
+    rss_imported = current_rss_bytes()
     config = Phi4MMConfig.from_dir(checkpoint)
     weights = route_weights(CheckpointReader(checkpoint, config.source_format), config)[Component.DECODER]
 
@@ -230,8 +214,8 @@ def worker_stock(checkpoint: Path, out: Path) -> dict[str, Any]:
         "quantize_and_write_s": saved - graphs,
         "build_s": saved - imported,
         "rss_after_import_bytes": rss_imported,
-        "peak_rss_bytes": _peak_rss(),
-        "rss_at_end": _rss_split(),
+        "peak_rss_bytes": peak_rss_bytes(),
+        "rss_at_end": rss_split(),
         "files": _files(out),
         "ops": _op_counts(out / "phi-4-mm-text.onnx"),
     }
@@ -244,7 +228,7 @@ def worker_run(checkpoint: Path, decoder: Path) -> dict[str, Any]:
     from builder_plugin.config import Phi4MMConfig
 
     text = Phi4MMConfig.from_dir(checkpoint).text
-    rss_start = _rss_now()
+    rss_start = current_rss_bytes()
     start = time.perf_counter()
     options = ort.SessionOptions()
     options.enable_profiling = True  # per-node kernel times: the decoder layers apart from the lm_head
@@ -284,8 +268,8 @@ def worker_run(checkpoint: Path, decoder: Path) -> dict[str, Any]:
         "decode_ms_per_token": (t2 - t1) * 1000 / DECODE_STEPS,
         "decode_layers_kernel_ms_per_token": kernel_us["layers"] / 1000 / DECODE_STEPS,
         "decode_lm_head_kernel_ms_per_token": kernel_us["lm_head"] / 1000 / DECODE_STEPS,
-        "session_rss_bytes": _rss_now() - rss_start,
-        "peak_rss_bytes": _peak_rss(),
+        "session_rss_bytes": current_rss_bytes() - rss_start,
+        "peak_rss_bytes": peak_rss_bytes(),
     }
 
 
@@ -321,10 +305,12 @@ def _table(results: dict[str, Any]) -> str:
         rows = [("decoder", "session load s", f"prefill {PREFILL_TOKENS} s", "decode ms/token",
                  "of which layers / lm_head", "session RSS GB")]
         for mode, r in results["latency"].items():
-            rows.append((mode, f"{r['session_load_s']:.2f}", f"{r['prefill_s']:.3f}", f"{r['decode_ms_per_token']:.1f}",
-                         f"{r['decode_layers_kernel_ms_per_token']:.1f} / {r['decode_lm_head_kernel_ms_per_token']:.1f}",
+            rows.append((mode, f"{r['session_load_s']:.2f}", f"{r['prefill_s']:.3f}",
+                         f"{r['decode_ms_per_token']:.1f}",
+                         f"{r['decode_layers_kernel_ms_per_token']:.1f} / "
+                         f"{r['decode_lm_head_kernel_ms_per_token']:.1f}",
                          _gb(r["session_rss_bytes"])))
-        lines += [""] + _format(rows)
+        lines += ["", *_format(rows)]
     return "\n".join(lines)
 
 

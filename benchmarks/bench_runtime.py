@@ -41,11 +41,13 @@ MatMulNBits of the decoder variant: all layers, LoRA branches, lm_head; int4 = p
 against the copy bandwidth of a ~1 GB numpy array (best of several, 1 and --threads threads) -> tokens/s bound.
 
 32-layer estimate: time(L) = fixed + L x per_layer, solved from the text prompt at --text-layers and
---scaling-layers (median decode step; median prefill; the text prompt runs in --rounds rounds, each engine at both
-depths back to back). Every prompt's measured time then gets (32 - L) x per_layer
-added, scaled by its prompt length (prefill) and by its decoder variant's per-layer weight bytes relative to the base
-decoder (LoRA branches). The encoders are not scaled (see bench_vision.py / bench_speech.py). The bytes-per-step
-bound is extrapolated from the graph: fixed bytes + 32 x the bytes of one layer.
+--scaling-layers: from the fastest step and prefill at each depth ("best"), and from each depth's lowest per-round
+median step and prefill ("median"; background load only adds time). The text prompt runs in --rounds rounds, each
+engine at both depths back to back. A per-layer decode time that implies more than PLAUSIBLE_BANDWIDTH_FACTOR x the
+read bandwidth is noise and not used. Every prompt's measured time then gets (32 - L) x per_layer added, scaled by its
+prompt length (prefill) and by its decoder variant's per-layer weight bytes relative to the base decoder (LoRA
+branches). The encoders are not scaled (see bench_vision.py / bench_speech.py). The bytes-per-step bound is
+extrapolated from the graph: fixed bytes + 32 x the bytes of one layer.
 
 Results: --out (JSON), a Markdown table on stdout and the "Machine" and "Run time" sections of --doc.
 """
@@ -56,7 +58,6 @@ import argparse
 import gc
 import hashlib
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -72,6 +73,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import (  # noqa: E402
     GB,
+    cpu_session,
     fmt,
     machine_info,
     machine_markdown,
@@ -82,6 +84,7 @@ from common import (  # noqa: E402
     replace_markdown_section,
     reset_peak_rss,
     summarize,
+    time_in_turn,
     write_json,
 )
 
@@ -89,6 +92,10 @@ RESULTS = ROOT / "benchmarks" / "results" / "runtime.json"
 DOC = ROOT / "docs" / "benchmarks.md"
 DEFAULT_WORK = Path("/tmp/bench_runtime")
 REAL_TEXT_LAYERS = 32
+# A per-layer decode time implying more than this multiple of the numpy read bandwidth is taken as noise: onnxruntime's
+# fp32 single-row MatMul has been seen reading up to ~1.3x as fast as the numpy probe, and a faster implied layer means
+# the run at the smaller depth was slowed down by background load.
+PLAUSIBLE_BANDWIDTH_FACTOR = 1.5
 VISION_LAYERS = 4
 AUDIO_BLOCKS = 4
 TEXT_PROMPT_TOKENS = 100
@@ -416,51 +423,56 @@ def _ort_worker(job: dict[str, Any]) -> dict[str, Any]:
             warm_generator.generate_next_token()
         del warm_generator, warm_params, warm_inputs
         for case in cases:
-            images = og.Images.open(*case["images"]) if case["images"] else None
-            audios = og.Audios.open(*case["audios"]) if case["audios"] else None
-            record: dict[str, Any] = {"preprocess": [], "prefill": [], "steps": [], "tokens": [], "prompt_tokens": 0}
-
-            def run(first: bool) -> None:
-                t0 = time.perf_counter()
-                inputs = processor(case["text"], images=images, audios=audios)
-                t1 = time.perf_counter()
-                prompt_tokens = int(inputs["input_ids"].as_numpy().shape[-1])
-                total = prompt_tokens + (case["new_tokens"] if first else 1)
-                params = og.GeneratorParams(model)
-                params.set_search_options(max_length=total, min_length=total, do_sample=False)
-                generator = og.Generator(model, params)
-                generator.set_inputs(inputs)
-                generator.generate_next_token()
-                t2 = time.perf_counter()
-                while not generator.is_done():
-                    s = time.perf_counter()
-                    generator.generate_next_token()
-                    record["steps"].append(time.perf_counter() - s)
-                if first:
-                    record["tokens"] = [int(t) for t in generator.get_sequence(0)[prompt_tokens:]]
-                del generator, params, inputs  # GeneratorParams keeps the model alive
-                record["preprocess"].append(t1 - t0)
-                record["prefill"].append(t2 - t1)
-                record["prompt_tokens"] = prompt_tokens
-
-            _repeat(case, run, record["prefill"])
-            results[case["key"]] = {
-                "decoder": decoder,
-                "prompt_tokens": record["prompt_tokens"],
-                "new_tokens": len(record["tokens"]),
-                "tokens": record["tokens"],
-                "eos_masked": eos,
-                "preprocess_s": summarize(record["preprocess"]),
-                "prefill_s": summarize(record["prefill"]),
-                "decode": _decode_stats(record["steps"]),
-                "model_load_s": load_s,
-            }
+            results[case["key"]] = _ort_case(og, model, processor, case, eos, load_s, decoder)
             _progress(job["label"], case["key"], results[case["key"]])
-            del images, audios
         for case in cases:
             results[case["key"]]["peak_rss_bytes"] = peak_rss_bytes()  # of the whole variant group
         del processor, model, config
     return results
+
+
+def _ort_case(og: Any, model: Any, processor: Any, case: dict[str, Any], eos: list[int], load_s: float,
+              decoder: str) -> dict[str, Any]:
+    """One prompt through onnxruntime-genai: up to case["repeats"] prefills, the first run also decoding."""
+    images = og.Images.open(*case["images"]) if case["images"] else None
+    audios = og.Audios.open(*case["audios"]) if case["audios"] else None
+    record: dict[str, Any] = {"preprocess": [], "prefill": [], "steps": [], "tokens": [], "prompt_tokens": 0}
+
+    def run(first: bool) -> None:
+        t0 = time.perf_counter()
+        inputs = processor(case["text"], images=images, audios=audios)
+        t1 = time.perf_counter()
+        prompt_tokens = int(inputs["input_ids"].as_numpy().shape[-1])
+        total = prompt_tokens + (case["new_tokens"] if first else 1)
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=total, min_length=total, do_sample=False)
+        generator = og.Generator(model, params)
+        generator.set_inputs(inputs)
+        generator.generate_next_token()
+        t2 = time.perf_counter()
+        while not generator.is_done():
+            s = time.perf_counter()
+            generator.generate_next_token()
+            record["steps"].append(time.perf_counter() - s)
+        if first:
+            record["tokens"] = [int(t) for t in generator.get_sequence(0)[prompt_tokens:]]
+        del generator, params, inputs  # GeneratorParams keeps the model alive
+        record["preprocess"].append(t1 - t0)
+        record["prefill"].append(t2 - t1)
+        record["prompt_tokens"] = prompt_tokens
+
+    _repeat(case, run, record["prefill"])
+    return {
+        "decoder": decoder,
+        "prompt_tokens": record["prompt_tokens"],
+        "new_tokens": len(record["tokens"]),
+        "tokens": record["tokens"],
+        "eos_masked": eos,
+        "preprocess_s": summarize(record["preprocess"]),
+        "prefill_s": summarize(record["prefill"]),
+        "decode": _decode_stats(record["steps"]),
+        "model_load_s": load_s,
+    }
 
 
 def _progress(label: str, name: str, result: dict[str, Any]) -> None:
@@ -476,26 +488,15 @@ def _encoder_ab(case: dict[str, Any], inputs: dict[str, Any], torch_features: An
     same processor tensors, in turn, so background load hits them alike: one untimed warm-up each, then
     case["repeats"] rounds."""
     import numpy as np
-    import onnxruntime as ort
 
     filename = "phi-4-mm-vision.onnx" if case["images"] else "phi-4-mm-speech.onnx"
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.inter_op_num_threads = 1
     runners = {}
     for engine, package in case["encoder_packages"].items():
-        session = ort.InferenceSession(str(Path(package) / filename), options, providers=["CPUExecutionProvider"])
+        session = cpu_session(Path(package) / filename, threads)
         feed = {spec.name: np.asarray(inputs[spec.name]) for spec in session.get_inputs()}
         runners[engine] = lambda session=session, feed=feed: session.run(None, feed)
     runners["torch-fp32"] = torch_features
-    times: dict[str, list[float]] = {engine: [] for engine in runners}
-    for engine, runner in runners.items():
-        runner()
-    for _ in range(case["repeats"]):
-        for engine, runner in runners.items():
-            start = time.perf_counter()
-            runner()
-            times[engine].append(time.perf_counter() - start)
+    times, _ = time_in_turn(runners, case["repeats"])
     return {"graph": filename, **{engine: summarize(values) for engine, values in times.items()}}
 
 
@@ -531,63 +532,76 @@ def _torch_worker(job: dict[str, Any]) -> dict[str, Any]:
         del warm_cache
 
     for case in job["cases"]:
-        inputs = processor_inputs(checkpoint, case["text"], images=case["images"], audios=case["audios"])
-        has_image, has_audio = bool(case["images"]), bool(case["audios"])
-        reference.set_lora(reference.lora_for_mode(reference.mode_for(has_image, has_audio)))  # = loading a variant
-        ids = torch.from_numpy(np.asarray(inputs["input_ids"], dtype=np.int64))
-        record: dict[str, Any] = {"prefill": [], "encoder": [], "steps": [], "tokens": []}
-
-        @torch.inference_mode()
-        def features() -> tuple[Any, Any]:
-            image_features = audio_features = None
-            if has_image:
-                image_features = reference.image_features(
-                    inputs["pixel_values"], inputs["image_attention_mask"], inputs["image_sizes"])
-            if has_audio:
-                audio_features = reference.audio_features(
-                    inputs["audio_embeds"], inputs.get("audio_attention_mask"), inputs["audio_sizes"],
-                    projection="vision" if has_image else "speech")
-            return image_features, audio_features
-
-        @torch.inference_mode()
-        def run(first: bool) -> None:
-            t0 = time.perf_counter()
-            image_features, audio_features = features()
-            t_features = time.perf_counter()
-            embeds = reference.embeddings(ids, image_features, audio_features)
-            cache = DynamicCache(config=reference.config)
-            token = step(embeds, cache)
-            t1 = time.perf_counter()
-            tokens = [token]
-            for _ in range(case["new_tokens"] - 1 if first else 0):
-                s = time.perf_counter()
-                token = step(embed_tokens(torch.tensor([[token]])), cache)
-                record["steps"].append(time.perf_counter() - s)
-                tokens.append(token)
-            if first:
-                record["tokens"] = tokens
-            record["prefill"].append(t1 - t0)
-            if has_image or has_audio:
-                record["encoder"].append(t_features - t0)
-
-        _repeat(case, run, record["prefill"])
-        encoder_ab = _encoder_ab(case, inputs, features, int(job["threads"])) if case["encoders"] else None
-        results[case["key"]] = {
-            "encoder_ab": encoder_ab,
-            "lora": reference.active_lora,
-            "prompt_tokens": int(ids.shape[-1]),
-            "new_tokens": len(record["tokens"]),
-            "tokens": record["tokens"],
-            "eos_masked": eos,
-            "prefill_s": summarize(record["prefill"]),
-            "decode": _decode_stats(record["steps"]),
-            "encoder_s": summarize(record["encoder"]) if record["encoder"] else None,
-            "model_load_s": load_s,
-        }
+        results[case["key"]] = _torch_case(reference, step, case, checkpoint, int(job["threads"]), eos, load_s)
         _progress(job["label"], case["key"], results[case["key"]])
     for value in results.values():
         value["peak_rss_bytes"] = peak_rss_bytes()
     return results
+
+
+def _torch_case(reference: Any, step: Any, case: dict[str, Any], checkpoint: Path, threads: int, eos: list[int],
+                load_s: float) -> dict[str, Any]:
+    """One prompt through the PyTorch reference: up to case["repeats"] prefills, the first run also decoding."""
+    import numpy as np
+    import torch
+    from transformers.cache_utils import DynamicCache
+
+    from builder_plugin.testing.processor import processor_inputs
+
+    embed_tokens = reference.model.model.embed_tokens
+    inputs = processor_inputs(checkpoint, case["text"], images=case["images"], audios=case["audios"])
+    has_image, has_audio = bool(case["images"]), bool(case["audios"])
+    reference.set_lora(reference.lora_for_mode(reference.mode_for(has_image, has_audio)))  # = loading a variant
+    ids = torch.from_numpy(np.asarray(inputs["input_ids"], dtype=np.int64))
+    record: dict[str, Any] = {"prefill": [], "encoder": [], "steps": [], "tokens": []}
+
+    @torch.inference_mode()
+    def features() -> tuple[Any, Any]:
+        image_features = audio_features = None
+        if has_image:
+            image_features = reference.image_features(
+                inputs["pixel_values"], inputs["image_attention_mask"], inputs["image_sizes"])
+        if has_audio:
+            audio_features = reference.audio_features(
+                inputs["audio_embeds"], inputs.get("audio_attention_mask"), inputs["audio_sizes"],
+                projection="vision" if has_image else "speech")
+        return image_features, audio_features
+
+    @torch.inference_mode()
+    def run(first: bool) -> None:
+        t0 = time.perf_counter()
+        image_features, audio_features = features()
+        t_features = time.perf_counter()
+        embeds = reference.embeddings(ids, image_features, audio_features)
+        cache = DynamicCache(config=reference.config)
+        token = step(embeds, cache)
+        t1 = time.perf_counter()
+        tokens = [token]
+        for _ in range(case["new_tokens"] - 1 if first else 0):
+            s = time.perf_counter()
+            token = step(embed_tokens(torch.tensor([[token]])), cache)
+            record["steps"].append(time.perf_counter() - s)
+            tokens.append(token)
+        if first:
+            record["tokens"] = tokens
+        record["prefill"].append(t1 - t0)
+        if has_image or has_audio:
+            record["encoder"].append(t_features - t0)
+
+    _repeat(case, run, record["prefill"])
+    encoder_ab = _encoder_ab(case, inputs, features, threads) if case["encoders"] else None
+    return {
+        "encoder_ab": encoder_ab,
+        "lora": reference.active_lora,
+        "prompt_tokens": int(ids.shape[-1]),
+        "new_tokens": len(record["tokens"]),
+        "tokens": record["tokens"],
+        "eos_masked": eos,
+        "prefill_s": summarize(record["prefill"]),
+        "decode": _decode_stats(record["steps"]),
+        "encoder_s": summarize(record["encoder"]) if record["encoder"] else None,
+        "model_load_s": load_s,
+    }
 
 
 def run_worker(job: dict[str, Any], work: Path) -> dict[str, Any]:
@@ -645,21 +659,22 @@ def _linear_fit(large: float, small: float, large_layers: int, small_layers: int
 def layer_fits(text_large: dict[str, Any], text_small: dict[str, Any], large_layers: int, small_layers: int
                ) -> dict[str, dict[str, dict[str, float]]]:
     """time(L) = fixed + L x per_layer for the decode step and the prefill of the text prompt, two ways:
-    "best" from the fastest step / prefill at each depth (all rounds pooled), "median" from the medians of the
-    quietest round (lowest median decode step at the larger depth), the two depths of a round having run back to
-    back."""
+    "best" from the fastest step / prefill at each depth (all rounds pooled), "median" from each depth's lowest
+    per-round median (background load only ever adds time, so the lowest median is the least disturbed one)."""
     fits: dict[str, dict[str, dict[str, float]]] = {"best": {}, "median": {}}
     fits["best"]["decode"] = _linear_fit(text_large["decode"]["best_step_s"], text_small["decode"]["best_step_s"],
                                          large_layers, small_layers)
     fits["best"]["prefill"] = _linear_fit(text_large["prefill_s"]["best"], text_small["prefill_s"]["best"],
                                           large_layers, small_layers)
-    rounds = list(zip(text_large["per_round"], text_small["per_round"]))
-    quiet = min(range(len(rounds)), key=lambda i: rounds[i][0]["step_median_s"] or float("inf"))
-    large, small = rounds[quiet]
-    fits["median"]["decode"] = _linear_fit(large["step_median_s"], small["step_median_s"], large_layers, small_layers)
-    fits["median"]["prefill"] = _linear_fit(large["prefill_median_s"], small["prefill_median_s"], large_layers,
-                                            small_layers)
-    fits["median"]["round"] = {"index": quiet + 1, "of": len(rounds)}
+
+    def lowest(rounds: list[dict[str, Any]], key: str) -> float:
+        return min(r[key] for r in rounds if r.get(key) is not None)
+
+    large, small = text_large["per_round"], text_small["per_round"]
+    fits["median"]["decode"] = _linear_fit(lowest(large, "step_median_s"), lowest(small, "step_median_s"),
+                                           large_layers, small_layers)
+    fits["median"]["prefill"] = _linear_fit(lowest(large, "prefill_median_s"), lowest(small, "prefill_median_s"),
+                                            large_layers, small_layers)
     return fits
 
 
@@ -678,13 +693,15 @@ def analyse(runs: dict[int, dict[str, dict[str, Any]]], weights: dict[str, dict[
         small_text = runs.get(scaling_layers, {}).get(backend, {}).get("text") if scaling_layers else None
         if small_text and "text" in cases and cases["text"].get("per_round") and small_text.get("per_round"):
             fits[backend] = layer_fits(cases["text"], small_text, main_layers, scaling_layers)
-            # The bandwidth a decode layer's weights imply (PyTorch reads the fp32 base weights, its LoRA merged); a
-            # per-layer time <= 0 is noise from background load and its estimate is not used.
+            # The bandwidth a decode layer's weights imply (PyTorch reads the fp32 base weights, its LoRA merged). A
+            # per-layer time <= 0, or one implying far more than the measured read bandwidth, is noise from
+            # background load; that estimate is not used.
             layer_bytes = weights[f"{precision or 'fp32'}/{VARIANT_FILES['text']}"]["per_layer_bytes"]
             for stat in ("best", "median"):
                 fit = fits[backend][stat]["decode"]
-                fit["plausible"] = fit["per_layer_s"] > 0
-                fit["layer_gb_s"] = layer_bytes / fit["per_layer_s"] / GB if fit["plausible"] else None
+                positive = fit["per_layer_s"] > 0
+                fit["layer_gb_s"] = layer_bytes / fit["per_layer_s"] / GB if positive else None
+                fit["plausible"] = positive and fit["layer_gb_s"] <= PLAUSIBLE_BANDWIDTH_FACTOR * read["best_gb_s"]
         for prompt, result in cases.items():
             decode = result["decode"]
             row: dict[str, Any] = {
@@ -917,8 +934,10 @@ def report_markdown(result: dict[str, Any]) -> str:
             "",
             f"Estimate for the real {REAL_TEXT_LAYERS}-layer decoder. From the text prompt at "
             f"{setup['scaling_layers']} and {setup['text_layers']} decoder layers: time(L) = fixed + L x per-layer, "
-            "\"best\" from the fastest decode step / prefill at each depth, \"median\" from the medians of the "
-            "quietest round (both depths back to back). Each prompt's measured time then gets "
+            "\"best\" from the fastest decode step / prefill at each depth, \"median\" from each depth's lowest "
+            "per-round median (background load only adds time). A per-layer decode time implying more than "
+            f"{PLAUSIBLE_BANDWIDTH_FACTOR}x the read bandwidth is marked as noise and not used. Each prompt's measured "
+            "time then gets "
             f"({REAL_TEXT_LAYERS} - {setup['text_layers']}) x per-layer added, scaled by its prompt length (prefill) "
             "and by its decoder variant's per-layer weight bytes relative to the base decoder (LoRA branches; 1 for "
             "PyTorch, whose LoRA is merged). The encoders stay at their reduced depth. Bytes per step at "

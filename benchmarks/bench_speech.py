@@ -12,9 +12,7 @@ Results go to benchmarks/results/speech.json.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -24,11 +22,13 @@ from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
-import onnxruntime as ort
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import cpu_session, machine_info, time_in_turn, write_json  # noqa: E402
 
 from builder_plugin.checkpoint.reader import CheckpointReader  # noqa: E402
 from builder_plugin.checkpoint.routing import route_weights  # noqa: E402
@@ -43,19 +43,6 @@ from builder_plugin.testing.reference import Reference  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "speech.json"
 SPEECH_MODE = 2
-
-
-def _timed_alternating(runs: dict[str, object], repeats: int) -> tuple[dict[str, list[float]], dict[str, object]]:
-    """Time each callable `repeats` times, alternating between them so both see the same machine load; one
-    untimed warm-up call each first (first-run allocations, ORT kernel selection)."""
-    outputs = {name: fn() for name, fn in runs.items()}
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, fn in runs.items():
-            start = time.perf_counter()
-            outputs[name] = fn()
-            times[name].append(time.perf_counter() - start)
-    return times, outputs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,15 +78,13 @@ def main(argv: list[str] | None = None) -> int:
         ir.save(model, graph_path, external_data=graph_path.name + ".data")
         build_seconds = time.perf_counter() - start
 
-        session_options = ort.SessionOptions()
-        session_options.intra_op_num_threads = args.threads
         start = time.perf_counter()
-        session = ort.InferenceSession(str(graph_path), session_options, providers=["CPUExecutionProvider"])
+        session = cpu_session(graph_path, args.threads)
         session_seconds = time.perf_counter() - start
 
         torch.set_num_threads(args.threads)
         reference = Reference.load(checkpoint)
-        times, outputs = _timed_alternating(
+        times, outputs = time_in_turn(
             {
                 "ort": lambda: session.run(["audio_features"], feed)[0],
                 "torch": lambda: reference.audio_features(feed["audio_embeds"], feed["audio_attention_mask"],
@@ -123,9 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                 "text_hidden_size": config.text.hidden_size,
             },
             "threads": args.threads,
-            "machine": {"cpu_count": os.cpu_count(), "processor": platform.processor() or platform.machine(),
-                        "load_average_1min_at_end": round(os.getloadavg()[0], 2)},
-            "versions": {"onnxruntime": ort.__version__, "torch": torch.__version__},
+            "machine": machine_info(),
             "build_seconds": round(build_seconds, 3),
             "ort_session_seconds": round(session_seconds, 3),
             "ort_fp32_seconds": round(ort_median, 4),
@@ -140,8 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             "torch_times": [round(t, 4) for t in torch_times],
             "max_abs_diff_ort_vs_torch": max_abs_diff,
         }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        write_json(args.out, result)
         print(f"{args.seconds:g} s clip, {audio.num_blocks} of 24 conformer blocks at width {audio.attention_dim}, "
               f"{args.threads} threads")
         for label, med, best in (("ONNX Runtime fp32 ", ort_median, min(ort_times)),

@@ -17,9 +17,7 @@ and primitive-op graphs are timed side by side. Results go to benchmarks/results
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -30,11 +28,13 @@ from pathlib import Path
 
 import numpy as np
 import onnx_ir as ir
-import onnxruntime as ort
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import cpu_session, machine_info, time_in_turn, write_json  # noqa: E402
 
 from builder_plugin.checkpoint.reader import CheckpointReader  # noqa: E402
 from builder_plugin.checkpoint.routing import route_weights  # noqa: E402
@@ -50,25 +50,6 @@ from builder_plugin.testing.reference import Reference  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results" / "vision.json"
 GRAPH_INPUTS = ("pixel_values", "image_attention_mask", "image_sizes")
 IMAGES = {"448x448": (448, 448), "896x896": (896, 896)}
-
-
-def _interleaved(runners: dict[str, Callable[[], np.ndarray]], repeats: int) -> tuple[dict[str, list[float]],
-                                                                                      dict[str, np.ndarray]]:
-    """Warm every runner once, then time them round-robin so background load hits all of them alike."""
-    outputs = {name: fn() for name, fn in runners.items()}
-    times: dict[str, list[float]] = {name: [] for name in runners}
-    for _ in range(repeats):
-        for name, fn in runners.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return times, outputs
-
-
-def _session(path: Path, threads: int) -> ort.InferenceSession:
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             model = VisionBuilder(config, options, fused_ops=fused).build(weights)[VISION_FILENAME]
             ir.save(model, folder / VISION_FILENAME, external_data=VISION_FILENAME + ".data")
             print(f"{label}: built and saved in {time.perf_counter() - start:.1f} s")
-            sessions[label] = _session(folder / VISION_FILENAME, args.threads)
+            sessions[label] = cpu_session(folder / VISION_FILENAME, args.threads)
         reference = Reference.load(checkpoint)
 
         cases = {}
@@ -114,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
                 label: (lambda s=session, f=feed: s.run(None, f)[0]) for label, session in sessions.items()
             }
             runners["torch_eager"] = lambda f=feed: reference.image_features(**f).numpy()
-            times, outputs = _interleaved(runners, args.repeats)
+            times, outputs = time_in_turn(runners, args.repeats)
             median = {label: statistics.median(t) for label, t in times.items()}
             torch_out = outputs["torch_eager"]
             case = {
@@ -152,13 +133,10 @@ def main(argv: list[str] | None = None) -> int:
             "projection": [config.vision.hidden_size, config.text.hidden_size],
             "threads": args.threads,
             "repeats": args.repeats,
-            "load_average_at_end": os.getloadavg(),
-            "machine": {"processor": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
-            "versions": {"onnxruntime": ort.__version__, "torch": torch.__version__},
+            "machine": machine_info(),
             "cases": cases,
         }
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+        write_json(args.out, result)
         print(f"results written to {args.out}")
     finally:
         shutil.rmtree(work, ignore_errors=True)

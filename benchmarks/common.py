@@ -6,6 +6,8 @@ Standard library and numpy only, so every benchmark (and its worker subprocesses
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
 import os
 import platform
@@ -14,7 +16,7 @@ import resource
 import statistics
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +38,30 @@ def summarize(seconds: Sequence[float]) -> dict[str, Any]:
     if not values:
         return {"best": None, "median": None, "runs": []}
     return {"best": min(values), "median": statistics.median(values), "runs": [round(v, 4) for v in values]}
+
+
+def time_in_turn(runners: Mapping[str, Callable[[], Any]], repeats: int
+                 ) -> tuple[dict[str, list[float]], dict[str, Any]]:
+    """Call every runner once untimed (first-run allocations, kernel selection), then `repeats` rounds of each in turn,
+    so background load hits all of them alike. Returns (seconds per runner, each runner's last output)."""
+    outputs = {name: run() for name, run in runners.items()}
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    for _ in range(repeats):
+        for name, run in runners.items():
+            start = time.perf_counter()
+            outputs[name] = run()
+            times[name].append(time.perf_counter() - start)
+    return times, outputs
+
+
+def cpu_session(path: str | Path, threads: int) -> Any:
+    """A plain onnxruntime CPU session with `threads` intra-op threads (onnxruntime imported on first use)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.inter_op_num_threads = 1
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
 
 # ---- memory -------------------------------------------------------------------------------------------------------
@@ -62,6 +88,16 @@ def peak_rss_bytes() -> int:
 
 def current_rss_bytes() -> int:
     return _status_bytes("VmRSS") or 0
+
+
+def rss_split() -> dict[str, int]:
+    """Current anonymous vs file-backed resident bytes ({"RssAnon", "RssFile"}; mmap'd files count as RssFile)."""
+    found = {}
+    for field in ("RssAnon", "RssFile"):
+        value = _status_bytes(field)
+        if value is not None:
+            found[field] = value
+    return found
 
 
 def reset_peak_rss() -> bool:
@@ -99,10 +135,8 @@ def machine_info() -> dict[str, Any]:
         pass
     versions: dict[str, str] = {"python": platform.python_version(), "numpy": np.__version__}
     for module in ("onnxruntime", "onnxruntime_genai", "torch", "transformers", "onnx"):
-        try:
+        with contextlib.suppress(Exception):  # a missing or broken optional library is just not listed
             versions[module] = __import__(module).__version__
-        except Exception:  # a missing or broken optional library is just not listed
-            pass
     return {
         "cpu_model": cpu_model,
         "cpu_id": cpu_id,
@@ -156,7 +190,7 @@ def _bandwidth_probe(kind: str, size_bytes: int, repeats: int, threads: int) -> 
     source = np.ones(count, dtype=np.float32)  # touched, so page faults are not timed
     target = np.zeros_like(source) if kind == "copy" else None
     bounds = np.linspace(0, count, threads + 1).astype(np.int64)
-    slices = [slice(int(a), int(b)) for a, b in zip(bounds[:-1], bounds[1:])]
+    slices = [slice(int(a), int(b)) for a, b in itertools.pairwise(bounds)]
 
     def work(part: slice) -> None:  # numpy releases the GIL in both, so the threads run in parallel
         if target is not None:
@@ -176,7 +210,6 @@ def _bandwidth_probe(kind: str, size_bytes: int, repeats: int, threads: int) -> 
             for w in workers:
                 w.join()
         runs.append(count * 4 / (time.perf_counter() - start) / GB)
-    del source, target
     return Bandwidth(kind, count * 4, threads, max(runs), statistics.median(runs), tuple(round(r, 2) for r in runs))
 
 

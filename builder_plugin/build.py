@@ -123,7 +123,7 @@ def build(options: BuildOptions, progress: bool = True) -> BuildResult:
                 writer.save(model, filename, DATA_FILES[component])
             specs[component] = spec
             filenames[component] = FILENAMES[component]
-        runnable = RUNNABLE_MINIMUM <= set(components)
+        runnable = set(components) >= RUNNABLE_MINIMUM
         if runnable:
             _write_runtime_configs(staging, config, options, specs, filenames)
         for name in TOKENIZER_FILES:
@@ -162,7 +162,7 @@ def _write_runtime_configs(folder: Path, config: Phi4MMConfig, options: BuildOpt
     preprocessor = {}
     if (options.model_dir / "preprocessor_config.json").is_file():
         preprocessor = json.loads((options.model_dir / "preprocessor_config.json").read_text(encoding="utf-8"))
-    write_json(folder / VISION_PROCESSOR_FILE,
-               vision_processor_config(config.vision.crop_size, int(preprocessor.get("dynamic_hd", DEFAULT_DYNAMIC_HD))))
+    dynamic_hd = int(preprocessor.get("dynamic_hd", DEFAULT_DYNAMIC_HD))
+    write_json(folder / VISION_PROCESSOR_FILE, vision_processor_config(config.vision.crop_size, dynamic_hd))
     if Component.SPEECH in specs:
         write_json(folder / SPEECH_PROCESSOR_FILE, speech_processor_config(config.audio.compression_rate))

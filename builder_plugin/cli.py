@@ -55,7 +55,8 @@ def make_parser() -> argparse.ArgumentParser:
                      "phi4_multimodal layout); wins over -m")
     src.add_argument("-o", "--output", help="output folder (default: <model>-<precision>-<provider> in the "
                      "current folder); built in a temporary sibling and moved into place on success")
-    src.add_argument("-c", "--cache_dir", default="cache_dir", help="Hugging Face download cache (default: %(default)s)")
+    src.add_argument("-c", "--cache_dir", default="cache_dir",
+                     help="Hugging Face download cache (default: %(default)s)")
     src.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     tgt = p.add_argument_group("target")
     tgt.add_argument("-p", "--precision", choices=PRECISIONS, default="int4",
@@ -147,7 +148,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _print_summary(result) -> None:  # noqa: ANN001 - BuildResult, imported lazily
+def _print_summary(result) -> None:
     width = max(len(name) for name, _ in result.files)
     for name, size in result.files:
         print(f"  {name:<{width}}  {_human(size):>9}")

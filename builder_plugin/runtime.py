@@ -387,7 +387,7 @@ class Chat:
         params.set_search_options(max_length=min(request.max_length, request.prompt_tokens + max_new_tokens))
         generator = og.Generator(loaded.model, params)
         stream = loaded.tokenizer.create_stream()
-        eos = set(int(t) for t in loaded.tokenizer.eos_token_ids)
+        eos = {int(t) for t in loaded.tokenizer.eos_token_ids}
         first = None
         count = 0
         try:

@@ -126,14 +126,14 @@ class _FailingBuilder:
 
     error: BaseException = RuntimeError("boom")
 
-    def __init__(self, config, options) -> None:  # noqa: ANN001
+    def __init__(self, config, options) -> None:
         pass
 
     @classmethod
-    def io_spec(cls, config, io_dtype) -> IOSpec:  # noqa: ANN001
+    def io_spec(cls, config, io_dtype) -> IOSpec:
         return IOSpec(inputs=(), outputs=())
 
-    def build(self, weights):  # noqa: ANN001
+    def build(self, weights):
         raise self.error
 
 

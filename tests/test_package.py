@@ -49,10 +49,9 @@ def test_output_folder_replaces_only_on_commit(tmp_path: Path) -> None:
     (final / "old").write_text("old")
     with pytest.raises(OutputError, match="not empty"):
         OutputFolder(final, overwrite=False).check()
-    with pytest.raises(RuntimeError):
-        with OutputFolder(final, overwrite=True) as staging:
-            (staging / "new").write_text("new")
-            raise RuntimeError("fail before commit")
+    with pytest.raises(RuntimeError), OutputFolder(final, overwrite=True) as staging:
+        (staging / "new").write_text("new")
+        raise RuntimeError("fail before commit")
     assert [p.name for p in final.iterdir()] == ["old"]
     assert [p.name for p in tmp_path.iterdir()] == ["pkg"]
     folder = OutputFolder(final, overwrite=True)

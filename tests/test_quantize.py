@@ -81,7 +81,8 @@ def _assert_same(ours: onnx.ModelProto, theirs: onnx.ModelProto) -> None:
 def test_byte_identical_to_onnxruntime_quantizer(dtype, symmetric, chunked, monkeypatch) -> None:
     rng = np.random.default_rng(0)
     # K = 96 divides 32, K = 100 needs padding; 32 x 40 has fewer rows than block 128.
-    weights = {"w0": _weight(rng, 96, 100, dtype), "w1": _weight(rng, 100, 40, dtype), "w2": _weight(rng, 40, 24, dtype)}
+    weights = {"w0": _weight(rng, 96, 100, dtype), "w1": _weight(rng, 100, 40, dtype),
+               "w2": _weight(rng, 40, 24, dtype)}
     if chunked:
         monkeypatch.setattr(quantize, "SLAB_BYTES", 7 * 100 * 4)  # a few columns per slab, uneven last slab
     for block_size, accuracy_level in ((32, 4), (128, 0)):

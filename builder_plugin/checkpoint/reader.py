@@ -35,7 +35,7 @@ _TORCH_DTYPES = {
 
 
 @lru_cache(maxsize=64)
-def _open(path: Path):  # noqa: ANN202 - safetensors returns an untyped handle
+def _open(path: Path):
     try:
         return safe_open(str(path), framework="pt")
     except Exception as exc:  # safetensors raises bare Exceptions for broken files

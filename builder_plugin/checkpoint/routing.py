@@ -7,7 +7,8 @@ must have: a checkpoint tensor that matches no row and no IGNORED row, a row wit
 shape is an error that names the tensor.
 
 Local names are the transformers-native module paths relative to the component (``layers.0.self_attn.qkv_proj.weight``
-for the decoder, ``img_processor.encoder.layers.0.mlp.fc1.weight`` for vision, ...). Builders read weights by these names.
+for the decoder, ``img_processor.encoder.layers.0.mlp.fc1.weight`` for vision, ...). Builders read weights by these
+names.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from builder_plugin.components.spec import Component, IOSpec
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.options import BuildOptions
 
-BUILDERS: dict[Component, type["ComponentBuilder"]] = {}
+BUILDERS: dict[Component, type[ComponentBuilder]] = {}
 
 
 class ComponentBuilder(ABC):

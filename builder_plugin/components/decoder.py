@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import itertools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
@@ -269,7 +270,7 @@ class LazyLinear:
     @staticmethod
     def join(parts: tuple[LazyLinear, ...]) -> LazyLinear | None:
         """The projection the consecutive slices `parts` were cut from, or None if they are not such slices."""
-        for left, right in zip(parts, parts[1:]):
+        for left, right in itertools.pairwise(parts):
             if (left.rows.ref != right.rows.ref or left.rows.stop != right.rows.start
                     or len(left.loras) != len(right.loras) or (left.merged is None) != (right.merged is None)):
                 return None

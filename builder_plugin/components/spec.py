@@ -83,7 +83,8 @@ def _by_name(specs: tuple[TensorSpec, ...], name: str) -> TensorSpec:
 def check_io(model: ir.Model, spec: IOSpec, graph_name: str) -> None:
     """Raise SpecMismatchError unless the graph's inputs and outputs equal the spec (names, order, dtypes, ranks,
     and every fixed dimension)."""
-    for kind, values, specs in (("input", model.graph.inputs, spec.inputs), ("output", model.graph.outputs, spec.outputs)):
+    sides = (("input", model.graph.inputs, spec.inputs), ("output", model.graph.outputs, spec.outputs))
+    for kind, values, specs in sides:
         names = [v.name for v in values]
         wanted = [s.name for s in specs]
         if names != wanted:

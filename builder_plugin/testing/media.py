@@ -60,7 +60,7 @@ def make_image(path: str | Path, width: int, height: int, seed: int = 0) -> Path
 def make_wav(path: str | Path, seconds: float, sample_rate: int = 16000, seed: int = 0, channels: int = 1) -> Path:
     """Write a 16-bit PCM wav: a few tones with a pitch sweep, noise and an amplitude envelope."""
     path = Path(path)
-    num_samples = int(round(seconds * sample_rate))
+    num_samples = round(seconds * sample_rate)
     if num_samples < 1 or channels < 1:
         raise ValueError(f"need at least one sample and one channel, got {seconds} s x {channels} channels")
     rng = np.random.default_rng(seed)

@@ -69,13 +69,12 @@ def stub_specs(config: Phi4MMConfig, io_dtype: str) -> dict[Component, IOSpec]:
 
 def _stub_graph(name: str, spec: IOSpec) -> ir.Model:
     g = GraphBuilder(name, spec)
-    first = g.inputs[spec.inputs[0].name]
     for out in spec.outputs:
         dims = [d if isinstance(d, int) else 1 for d in out.shape]
         zeros = g.op("ConstantOfShape", g.const(dims), value=ir.tensor(np.zeros(1, dtype=np.float32)))
         if out.dtype != "float32":
             zeros = g.op("Cast", zeros, to=out.onnx_dtype)
-        g.output(out.name, zeros if first is None else zeros)
+        g.output(out.name, zeros)
     return g.model()
 
 

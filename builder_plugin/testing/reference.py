@@ -43,7 +43,7 @@ ORIGINAL_MODEL_TYPE = "phi4mm"
 NATIVE_MODEL_TYPE = "phi4_multimodal"
 NATIVE_ADAPTER_DIRS = {"vision": "vision-lora", "speech": "speech-lora"}
 LORA_NAMES = ("vision", "speech")
-LORA_MODES = ("none",) + LORA_NAMES
+LORA_MODES = ("none", *LORA_NAMES)
 
 # The original remote code builds SigLIP-so400m when config.json has "img_processor": null.
 SIGLIP_SO400M = {
@@ -712,7 +712,7 @@ class Reference:
 
         chosen = lora if lora is not None else self.lora_for_mode(self.mode_for(has_image, has_audio))
         self.set_lora(chosen)
-        stop = set(int(t) for t in eos_token_ids) if eos_token_ids is not None else set()
+        stop = {int(t) for t in eos_token_ids} if eos_token_ids is not None else set()
         cache = DynamicCache(config=self.config)
         step_logits = [self._step(embeds, cache)]
         tokens: list[int] = []

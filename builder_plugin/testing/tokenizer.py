@@ -98,7 +98,7 @@ def _learn_merges(text: str, max_merges: int) -> list[tuple[str, str]]:
     while len(merges) < max_merges:
         pair_counts: Counter[tuple[str, str]] = Counter()
         for symbols, count in words:
-            for pair in zip(symbols, symbols[1:]):
+            for pair in itertools.pairwise(symbols):
                 pair_counts[pair] += count
         if not pair_counts:
             break
@@ -219,7 +219,7 @@ def write_tokenizer(
         "tokenizer.json": _tokenizer_json_text(),
         "tokenizer_config.json": _dumps(tokenizer_config(model_max_length, extra_special_tokens)),
         "special_tokens_map.json": _dumps(dict.fromkeys(("bos_token", "eos_token", "pad_token", "unk_token"), special)),
-        "added_tokens.json": _dumps({content: token_id for content, token_id in special_tokens().items()}),
+        "added_tokens.json": _dumps(dict(special_tokens())),
     }
     written = []
     for name, text in files.items():

@@ -147,7 +147,8 @@ def _prompt(reference, length: int, seed: int) -> tuple[torch.Tensor, list[int]]
     rng = np.random.default_rng(seed)
     vocab = reference.config.vocab_size
     ids = torch.from_numpy(rng.integers(0, vocab, size=(1, length)))
-    ids[(ids == reference.config.vision_config.image_token_id) | (ids == reference.config.audio_config.audio_token_id)] = 1
+    media_ids = (reference.config.vision_config.image_token_id, reference.config.audio_config.audio_token_id)
+    ids[(ids == media_ids[0]) | (ids == media_ids[1])] = 1
     new_tokens = [int(t) for t in rng.integers(0, vocab, size=DECODE_STEPS)]
     return reference.embeddings(ids), new_tokens
 
@@ -199,7 +200,7 @@ def test_variants_share_identical_base_weights_stored_once(tiny_checkpoint, tiny
             assert variant[name].const_value is value.const_value, name
     stored_large = {}  # what a deduplicating writer must store: every distinct large tensor once
     for model in models.values():
-        for name, value in model.graph.initializers.items():
+        for value in model.graph.initializers.values():
             if value.const_value.nbytes > 1024:
                 stored_large[id(value.const_value)] = value.const_value.nbytes
     base_bytes = sum(v.const_value.nbytes for v in base.values() if v.const_value.nbytes > 1024)
@@ -386,7 +387,7 @@ def test_option_errors(tiny_checkpoint, tiny_config, tiny_weights) -> None:
 def test_runtime_settings(tiny_checkpoint, tiny_config) -> None:
     text = tiny_config.text
     cpu = DecoderBuilder.runtime_settings(tiny_config, _options(tiny_checkpoint))
-    assert cpu.filename == MAIN_DECODER and cpu.variants == {m: f for m, f in ROUTED_FILENAMES.items()}
+    assert cpu.filename == MAIN_DECODER and cpu.variants == dict(ROUTED_FILENAMES.items())
     assert cpu.past_present_share_buffer and cpu.attention_op == "GroupQueryAttention"
     assert cpu.provider_options == () and not cpu.has_position_ids
     assert (cpu.context_length, cpu.head_size, cpu.num_key_value_heads, cpu.num_hidden_layers, cpu.vocab_size) == (

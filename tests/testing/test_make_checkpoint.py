@@ -252,7 +252,7 @@ def test_lora_adapters_load_with_peft_and_change_the_logits(native_dir, original
 def test_native_adapter_config(native_dir):
     from peft import LoraConfig
 
-    for adapter, folder in (("vision", "vision-lora"), ("speech", "speech-lora")):
+    for _adapter, folder in (("vision", "vision-lora"), ("speech", "speech-lora")):
         lora = LoraConfig.from_pretrained(str(native_dir / folder))
         assert lora.peft_type == "LORA"
         assert re.fullmatch(lora.target_modules, "model.layers.1.mlp.gate_up_proj")

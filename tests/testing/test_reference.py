@@ -112,7 +112,7 @@ def audio_inputs(ref: Reference, rng: np.random.Generator, frames: list[int]):
 
 
 def prompt(ref: Reference, rng: np.random.Generator, image=None, audio=None) -> dict[str, np.ndarray]:
-    ids = [199999] + text_ids(rng, 5)
+    ids = [199999, *text_ids(rng, 5)]
     if image is not None:
         ids += [ref.config.vision_config.image_token_id] * int(image["num_image_tokens"].sum())
     if audio is not None:

@@ -1,7 +1,8 @@
 """Run-time speed of built phi4mm packages on CPU: onnxruntime-genai fp32 and int4 against transformers' native
 Phi4MultimodalForCausalLM in PyTorch (eager, fp32), same weights, same prompts, same number of tokens.
 
-    python benchmarks/bench_runtime.py [--checkpoint DIR] [--text-layers 4] [--scaling-layers 2] [--rounds 2]
+    python benchmarks/bench_runtime.py [--checkpoint DIR] [--text-layers 8] [--scaling-layers 2] [--rounds 3]
+                                       [--full-depth-package DIR]
                                        [--new-tokens 16] [--repeats 3] [--budget 30] [--threads 2]
                                        [--out benchmarks/results/runtime.json] [--doc docs/benchmarks.md]
     python benchmarks/bench_runtime.py --from-json benchmarks/results/runtime.json   # re-analyse, re-publish
@@ -48,6 +49,9 @@ read bandwidth is noise and not used. Every prompt's measured time then gets (32
 prompt length (prefill) and by its decoder variant's per-layer weight bytes relative to the base decoder (LoRA
 branches). The encoders are not scaled (see bench_vision.py / bench_speech.py). The bytes-per-step bound is
 extrapolated from the graph: fixed bytes + 32 x the bytes of one layer.
+
+--full-depth-package: the text prompt also runs on a package of the real depth (an int4 build of the `full`
+checkpoint fits; PyTorch fp32 at 32 layers does not), measured against the estimate and the bandwidth bound.
 
 Results: --out (JSON), a Markdown table on stdout and the "Machine" and "Run time" sections of --doc.
 """
@@ -839,6 +843,49 @@ def analyse(runs: dict[int, dict[str, dict[str, Any]]], weights: dict[str, dict[
             "cited_encoder_speedups": _cited_encoder_speedups()}
 
 
+def analyse_full_depth(full: dict[str, Any], rows: dict[str, dict[str, Any]], bandwidth: dict[str, Any]
+                       ) -> dict[str, Any]:
+    """The full-depth package's text prompt against its bandwidth bound, the estimate extrapolated for the same
+    engine, and PyTorch's estimate at that depth (targets scoped "measured at full depth")."""
+    read, copy = _bandwidths(bandwidth)
+    backend, text = full["backend"], full["text"]
+    decode = text["decode"]
+    total_bytes = full["weights"]["total_bytes"]
+    bound = read["best_gb_s"] * GB / total_bytes
+    estimated = rows.get(f"{backend}/text", {}).get(f"estimate_{REAL_TEXT_LAYERS}_layers", {})
+    torch_estimate = rows.get("torch-fp32/text", {}).get(f"estimate_{REAL_TEXT_LAYERS}_layers", {})
+    out: dict[str, Any] = {
+        "backend": backend, "layers": full["layers"], "prompt_tokens": text["prompt_tokens"],
+        "weights_bytes_per_step": total_bytes, "bound_tokens_per_s": bound,
+        "bound_tokens_per_s_memcpy": copy["best_gb_s"] * GB / total_bytes,
+        "prefill_s_best": text["prefill_s"]["best"], "prefill_s_median": text["prefill_s"]["median"],
+        "peak_rss_bytes": text.get("peak_rss_bytes"), "targets": [],
+    }
+    scope = f"measured, {full['layers']} layers"
+    versus_scope = f"{scope}; PyTorch: {REAL_TEXT_LAYERS}-layer estimate"
+    for stat in ("median", "best"):
+        rate = decode.get(f"tokens_per_s_{stat}")
+        out[f"decode_tokens_per_s_{stat}"] = rate
+        out[f"estimated_decode_tokens_per_s_{stat}"] = estimated.get(f"decode_tokens_per_s_{stat}")
+        out[f"pct_of_bound_{stat}"] = 100 * rate / (read[f"{stat}_gb_s"] * GB / total_bytes) if rate else None
+        torch_rate = torch_estimate.get(f"decode_tokens_per_s_{stat}") if full["layers"] == REAL_TEXT_LAYERS else None
+        if rate and torch_rate:
+            label = "int4" if backend == "ort-int4" else "ORT fp32"
+            threshold, strict = (5.0, False) if backend == "ort-int4" else (1.0, True)
+            out["targets"].append({"target": f"{label} decode vs PyTorch fp32 decode", "scope": versus_scope,
+                                   "statistic": stat, "prompt": "text", "value": rate / torch_rate,
+                                   "threshold": threshold, "unit": "x", "comparison": ">" if strict else ">=",
+                                   "met": rate / torch_rate > threshold if strict else rate / torch_rate >= threshold})
+        if rate and backend == "ort-int4":
+            pct = out[f"pct_of_bound_{stat}"]
+            out["targets"].append({"target": "int4 decode, % of the read-bandwidth bound", "scope": scope,
+                                   "statistic": stat, "prompt": "text", "value": pct, "threshold": 60.0, "unit": "%",
+                                   "comparison": ">=", "met": pct >= 60.0})
+    for stat in ("best", "median"):
+        out[f"estimated_prefill_s_{stat}"] = estimated.get(f"prefill_s_{stat}")
+    return out
+
+
 def _cited_encoder_speedups() -> list[dict[str, Any]]:
     """Encoder speed-ups from bench_vision.py / bench_speech.py results, when those files exist."""
     cited = []
@@ -879,7 +926,7 @@ def report_markdown(result: dict[str, Any]) -> str:
         f"Command: `{result['command']}` ({setup['measure_s'] / 60:.1f} min of measurement; checkpoints and packages "
         f"are built once into the work folder, {setup['setup_s'] / 60:.1f} min this time). Machine: "
         f"{machine['cpu_model']}, {machine['logical_cores']} cores, {machine['ram_bytes'] / GB:.0f} GB RAM, load "
-        f"average {machine['load_average'][0]} at the end; other jobs were running, see best vs median.",
+        f"average {machine['load_average'][0]} at the end (the benchmark's own threads included).",
         "",
         f"Model: full-width random checkpoint (hidden {setup['hidden_size']}, intermediate "
         f"{setup['intermediate_size']}, vocab {setup['vocab_size']}) with {setup['text_layers']} decoder layers "
@@ -981,6 +1028,29 @@ def report_markdown(result: dict[str, Any]) -> str:
                    *([f"prefill s @{REAL_TEXT_LAYERS}, last-position logits only (median)"] if with_last else [])]
         lines.append(markdown_table(headers, table, "ll" + "r" * (len(headers) - 2)))
 
+    full = analysis.get("full_depth")
+    if full:
+        lines += [
+            "",
+            f"Check at full depth: the text prompt on a {full['layers']}-layer {full['backend']} package "
+            f"(`{result['full_depth']['package']}`, built from `make_checkpoint --preset full`), "
+            f"{result['full_depth']['text'].get('rounds', 1)} round(s) of the same measurement, against the "
+            "estimate above. PyTorch fp32 at this depth needs ~22 GB for its weights alone and is not run.",
+            "",
+            markdown_table(
+                ["engine", "layers", "decode tok/s median / best", "estimated", "bound tok/s (median / best as %)",
+                 "prefill s best / median", "estimated", "peak RSS GB"],
+                [[full["backend"], full["layers"],
+                  _pair(full["decode_tokens_per_s_median"], full["decode_tokens_per_s_best"]),
+                  _pair(full["estimated_decode_tokens_per_s_median"], full["estimated_decode_tokens_per_s_best"]),
+                  f"{fmt(full['bound_tokens_per_s'])} ({fmt(full['pct_of_bound_median'], 0)}% / "
+                  f"{fmt(full['pct_of_bound_best'], 0)}%)",
+                  _pair(full["prefill_s_best"], full["prefill_s_median"], 1),
+                  _pair(full["estimated_prefill_s_best"], full["estimated_prefill_s_median"], 1),
+                  _gb(full["peak_rss_bytes"])]],
+                "llrrrrrr"),
+        ]
+
     prompts = list(dict.fromkeys(t["prompt"] for t in analysis["targets"]))
     grouped: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {}
     for t in analysis["targets"]:
@@ -1016,7 +1086,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--checkpoint", type=Path, help="use this full-width checkpoint instead of generating one "
                         "(no 32-layer estimate unless --scaling-checkpoint is given too)")
     parser.add_argument("--scaling-checkpoint", type=Path, help="the same model with fewer decoder layers")
-    parser.add_argument("--text-layers", type=int, default=4, help="decoder layers of the generated checkpoint")
+    parser.add_argument("--text-layers", type=int, default=8, help="decoder layers of the generated checkpoint")
     parser.add_argument("--scaling-layers", type=int, default=2,
                         help="decoder layers of the second generated checkpoint (0: no 32-layer estimate)")
     parser.add_argument("--prompts", default=",".join(PROMPT_NAMES))
@@ -1026,13 +1096,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--encoder-prompts", default="image-1crop,audio-10s",
                         help="prompts whose vision/speech graphs (fp32, int4) and PyTorch encoder are also timed "
                         "alone, in turn ('' = none)")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of the text prompt: every engine (and layer "
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the text prompt: every engine (and layer "
                         "count) once per round, so background load hits them alike")
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3, help="prefill runs per prompt (at most)")
     parser.add_argument("--budget", type=float, default=30.0,
                         help="no further prefill run of a prompt once its prefills took this many seconds")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--full-depth-package", type=Path,
+                        help="a CPU package built from a checkpoint with the real decoder depth (make_checkpoint "
+                        "--preset full, then -p int4): the text prompt also runs on it, a direct check of the "
+                        f"{REAL_TEXT_LAYERS}-layer estimate (PyTorch fp32 at full depth does not fit in 24 GB)")
     parser.add_argument("--setup-only", action="store_true", help="make the checkpoints and packages, then stop")
     parser.add_argument("--keep-packages", action="store_true",
                         help="reuse packages in --work even if the builder's code changed since they were built")
@@ -1159,6 +1233,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = {layers: {backend: {name: merge_runs(parts) for name, parts in by_prompt.items()}
                      for backend, by_prompt in by_backend.items()}
             for layers, by_backend in collected.items()}
+    full_depth = measure_full_depth(args.full_depth_package, text, args, work) if args.full_depth_package else None
     measure_s = time.perf_counter() - measure_start
     # Background load only ever makes a probe slower, so the fastest one (start or end) is the machine's figure.
     probes += probe_bandwidth("end")
@@ -1198,9 +1273,37 @@ def main(argv: list[str] | None = None) -> int:
         "bandwidth": bandwidth,
         "decoder_weight_bytes": weights,
         "runs": {str(k): v for k, v in runs.items()},
+        "full_depth": full_depth,
         "notes": notes,
     }
     return publish(result, args.out, args.doc)
+
+
+def measure_full_depth(package: Path, text: list[Prompt], args: argparse.Namespace, work: Path
+                       ) -> dict[str, Any] | None:
+    """The text prompt on a package of the real depth (one ORT worker, --rounds runs): measured, not extrapolated."""
+    if not text:
+        return None
+    package = package.resolve()
+    decoder = VARIANT_FILES["text"]
+    config = json.loads((package / "genai_config.json").read_text(encoding="utf-8"))
+    graph = decode_weight_bytes(package / decoder)
+    import onnx
+
+    ops = {node.op_type for node in onnx.load(str(package / decoder), load_external_data=False).graph.node}
+    precision = "int4" if "MatMulNBits" in ops else "fp32"
+    prompt = text[0]
+    parts = []
+    for index in range(args.rounds):
+        job = {"backend": "ort", "label": f"ort-{precision}-full-depth-round{index + 1}", "package": str(package),
+               "threads": args.threads,
+               "cases": [{"name": prompt.name, "key": prompt.name, "text": prompt.text, "images": [], "audios": [],
+                          "decoder": decoder, "repeats": args.repeats, "budget_s": args.budget,
+                          "new_tokens": args.new_tokens, "encoders": False}]}
+        parts.append(run_worker(job, work)[prompt.name])
+    return {"package": str(package), "backend": f"ort-{precision}",
+            "layers": int(config["model"]["decoder"]["num_hidden_layers"]), "weights": graph,
+            "text": merge_runs(parts)}
 
 
 def _git_state() -> dict[str, Any]:
@@ -1217,6 +1320,10 @@ def publish(result: dict[str, Any], out: Path, doc: Path) -> int:
     setup = result["setup"]
     result["analysis"] = analyse(runs, result["decoder_weight_bytes"], result["bandwidth"], setup["text_layers"],
                                  setup["scaling_layers"], setup["vocab_size"])
+    if result.get("full_depth"):
+        full = analyse_full_depth(result["full_depth"], result["analysis"]["rows"], result["bandwidth"])
+        result["analysis"]["full_depth"] = full
+        result["analysis"]["targets"] += full["targets"]
     write_json(out, result)
     markdown = report_markdown(result)
     print("\n" + markdown + "\n")

@@ -2,7 +2,8 @@
 
     python benchmarks/bench_build.py [--work DIR] [--full-checkpoint DIR] [--skip-full] [--precisions int4,fp16]
 
-- ``tiny``: the tiny generated checkpoint, fp32 cpu, all four models (what tests and the demo build).
+- ``tiny``: the tiny generated checkpoint, fp32 and int4 cpu, all four models (fp32 is what tests and the demo
+  build).
 - ``full``: the full-size generated checkpoint (real Phi-4-MM shapes, random weights: 5.6 B parameters, 11 GB bf16),
   int4 cpu and fp16 cuda, all four models, ``--lora routed`` (three decoders sharing their base weights).
 
@@ -14,9 +15,6 @@ benchmarks/results/build.json and are printed as a Markdown table.
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
 import re
 import shutil
 import subprocess
@@ -28,6 +26,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "build.json"
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from common import GB, machine_info, markdown_table, write_json  # noqa: E402
 
 
 def timed_build(checkpoint: Path, output: Path, *args: str) -> dict[str, Any]:
@@ -55,14 +56,6 @@ def timed_build(checkpoint: Path, output: Path, *args: str) -> dict[str, Any]:
     }
 
 
-def machine() -> dict[str, Any]:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
-    mem = next(int(line.split()[1]) * 1024 for line in Path("/proc/meminfo").read_text().splitlines()
-               if line.startswith("MemTotal"))
-    return {"cpu": cpu, "cores": os.cpu_count(), "ram_bytes": mem, "python": platform.python_version()}
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "bench_build")
@@ -75,11 +68,12 @@ def main(argv: list[str] | None = None) -> int:
     from builder_plugin.testing.make_checkpoint import make_checkpoint
 
     args.work.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {"machine": machine(), "builds": {}}
+    results: dict[str, Any] = {"machine": machine_info(), "builds": {}}
     tiny = args.work / "tiny"
     if not (tiny / "config.json").is_file():
         make_checkpoint(tiny, preset="tiny", seed=0)
-    results["builds"]["tiny fp32 cpu"] = timed_build(tiny, args.work / "tiny-pkg", "-p", "fp32")
+    for precision in ("fp32", "int4"):
+        results["builds"][f"tiny {precision} cpu"] = timed_build(tiny, args.work / f"tiny-{precision}", "-p", precision)
 
     if not args.skip_full:
         full = args.full_checkpoint or args.work / "full"
@@ -92,12 +86,12 @@ def main(argv: list[str] | None = None) -> int:
                                                   "-e", provider)
             shutil.rmtree(args.work / f"full-{precision}", ignore_errors=True)
 
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    print("| build | wall | peak RSS | package |\n|---|---|---|---|")
-    for name, r in results["builds"].items():
-        peak = f"{r['peak_rss_bytes'] / 1e9:.2f} GB" if r["peak_rss_bytes"] else "?"
-        print(f"| {name} | {r['wall_s']:.1f} s | {peak} | {r['package_bytes'] / 1e9:.2f} GB |")
+    write_json(RESULTS, results)
+    rows = [[name, f"{r['wall_s']:.1f} s", f"{r['build_s']:.1f} s" if r["build_s"] else "?",
+             f"{r['peak_rss_bytes'] / GB:.2f} GB" if r["peak_rss_bytes"] else "?", f"{r['package_bytes'] / GB:.2f} GB"]
+            for name, r in results["builds"].items()]
+    print(markdown_table(["build", "process wall", "build (after imports)", "peak RSS", "package"], rows))
+    print(f"results written to {RESULTS}")
     return 0
 
 

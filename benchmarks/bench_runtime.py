@@ -1007,6 +1007,17 @@ def report_markdown(result: dict[str, Any]) -> str:
             ])
         lines.append(markdown_table(["engine", "text decode step ms (best)", "(median)", "text prefill s (best)",
                                      "(median)"], table, "lllll"))
+        layer_rates = [(fit[stat]["decode"]["layer_gb_s"], backend) for backend, fit in fits.items()
+                       for stat in ("best", "median") if fit[stat]["decode"].get("plausible")]
+        fastest, fastest_backend = max(layer_rates) if layer_rates else (None, None)
+        int4_layer = (fits.get("ort-int4", {}).get("median", {}).get("decode") or {}).get("layer_gb_s")
+        if fastest and fastest > read["best_gb_s"]:
+            text = (f"The numpy read probe ({read['best_gb_s']:.1f} GB/s) is not a strict ceiling: {fastest_backend}'s "
+                    f"decode layers read their weights at up to {fastest:.1f} GB/s.")
+            if int4_layer:
+                text += (f" Against that figure the int4 layers' {int4_layer:.1f} GB/s (median fit) is "
+                         f"{100 * int4_layer / fastest:.0f}% of the bandwidth bound.")
+            lines += ["", text]
         lines.append("")
         table = []
         for row in rows.values():

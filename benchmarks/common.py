@@ -161,8 +161,8 @@ def machine_markdown(machine: dict[str, Any]) -> str:
         f"- RAM: {ram / GIB:.1f} GiB" if ram else "- RAM: unknown",
         f"- OS: {machine.get('os')}",
         f"- Libraries: {versions}",
-        "- No GPU. Other jobs (test suites, other benchmarks) often run at the same time, so every timing is "
-        "repeated and reported as best and median.",
+        "- No GPU. Every timing is repeated and reported as best and median (background load only ever slows a "
+        "run down).",
     ])
 
 

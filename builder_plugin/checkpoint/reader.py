@@ -63,37 +63,55 @@ class TensorRef:
         return self.numel * _TORCH_DTYPES[self.dtype].itemsize
 
     def load(self, dtype: torch.dtype | None = torch.float32) -> torch.Tensor:
-        """The tensor, converted to `dtype` (bf16 -> fp32 is exact); None keeps the stored dtype."""
-        try:
-            tensor = _open(self.file).get_tensor(self.name)
-        except CheckpointError:
-            raise
-        except Exception as exc:
-            raise CheckpointError(f"cannot read tensor {self.name} from {self.file.name}: {exc}") from exc
+        """The tensor, converted to `dtype` (bf16 -> fp32 is exact); None keeps the stored dtype.
+
+        Read with one positioned read rather than through safetensors' memory map: every mapped page a build touches
+        stays resident, and counted in the process's RSS, while the file is open, so a full-size build would appear
+        to hold gigabytes of checkpoint it has long converted and written.
+        """
+        stored = _TORCH_DTYPES.get(self.dtype)
+        if stored is None:  # a dtype torch has no plain equivalent for: let safetensors decode it
+            try:
+                tensor = _open(self.file).get_tensor(self.name)
+            except CheckpointError:
+                raise
+            except Exception as exc:
+                raise CheckpointError(f"cannot read tensor {self.name} from {self.file.name}: {exc}") from exc
+        else:
+            tensor = self._read(0, self.numel * stored.itemsize, stored).reshape(self.shape)
         return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
 
     def load_rows(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Rows [start, stop) of a 2-D tensor, converted to `dtype`.
-
-        Read with one positioned read rather than through a memory map, so only these rows are ever resident and the
-        process's memory does not grow with every page of the checkpoint it has touched.
-        """
+        """Rows [start, stop) of a 2-D tensor, converted to `dtype` (one positioned read: only these rows are ever
+        resident)."""
         if self.dtype not in _TORCH_DTYPES or len(self.shape) != 2 or not 0 <= start <= stop <= self.shape[0]:
             raise CheckpointError(f"cannot read rows {start}:{stop} of {self.name} ({self.dtype} {self.shape})")
         stored = _TORCH_DTYPES[self.dtype]
+        row_bytes = self.shape[1] * stored.itemsize
+        rows = self._read(start * row_bytes, (stop - start) * row_bytes, stored)
+        return rows.reshape(stop - start, self.shape[1]).to(dtype)
+
+    def _read(self, offset: int, length: int, stored: torch.dtype) -> torch.Tensor:
+        """`length` bytes from `offset` within this tensor's data, as a flat tensor of the stored dtype."""
         data_start, offsets = _safetensors_layout(self.file)
         begin, end = offsets.get(self.name, (0, -1))
-        row_bytes = self.shape[1] * stored.itemsize
-        if end - begin != self.shape[0] * row_bytes:
+        if end - begin != self.numel * stored.itemsize:
             raise CheckpointError(f"{self.file.name}: {self.name} is not stored as a {self.dtype} {self.shape} tensor")
-        buffer = bytearray((stop - start) * row_bytes)
-        with open(self.file, "rb", buffering=0) as f:
-            f.seek(data_start + begin + start * row_bytes)
-            if f.readinto(buffer) != len(buffer):
-                raise CheckpointError(f"{self.file.name} is truncated (reading {self.name})")
-        if not buffer:
-            return torch.empty((0, self.shape[1]), dtype=dtype)
-        return torch.frombuffer(buffer, dtype=stored).reshape(stop - start, self.shape[1]).to(dtype)
+        if length == 0:
+            return torch.empty(0, dtype=stored)
+        buffer = bytearray(length)
+        view, filled = memoryview(buffer), 0
+        try:
+            with open(self.file, "rb", buffering=0) as f:
+                f.seek(data_start + begin + offset)
+                while filled < length:  # one read returns at most ~2 GiB on Linux
+                    count = f.readinto(view[filled:])
+                    if not count:
+                        raise CheckpointError(f"{self.file.name} is truncated (reading {self.name})")
+                    filled += count
+        except OSError as exc:
+            raise CheckpointError(f"cannot read tensor {self.name} from {self.file.name}: {exc}") from exc
+        return torch.frombuffer(buffer, dtype=stored)
 
 
 @lru_cache(maxsize=64)

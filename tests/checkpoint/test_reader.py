@@ -63,3 +63,35 @@ def test_native_layout_reads_adapter_folders(tiny_native_checkpoint: Path) -> No
     assert "model.layers.0.self_attn.qkv_proj.weight" in reader
     adapters = [n for n in reader if n.startswith(("vision-lora/", "speech-lora/"))]
     assert adapters and all(".lora_A." in n or ".lora_B." in n for n in adapters)
+
+
+def test_positioned_reads_equal_safetensors(tmp_path: Path) -> None:
+    """load / load_rows read the file directly (no memory map); they must give safetensors' own tensors bit for bit,
+    for every stored dtype and shape the checkpoints use, and name a file whose data section is cut short."""
+    from safetensors import safe_open
+
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        "bf16_matrix": torch.randn(7, 5, generator=generator).to(torch.bfloat16),
+        "fp32_vector": torch.randn(11, generator=generator),
+        "fp16_cube": torch.randn(2, 3, 4, generator=generator).to(torch.float16),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+        "ints": torch.arange(6, dtype=torch.int64).reshape(2, 3),
+    }
+    path = tmp_path / "model.safetensors"
+    save_file(tensors, str(path))
+    reader = CheckpointReader(tmp_path)
+    with safe_open(str(path), framework="pt") as f:
+        for name in tensors:
+            want = f.get_tensor(name)
+            got = reader[name].load(None)
+            assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), name
+    assert torch.equal(reader["bf16_matrix"].load_rows(2, 6), tensors["bf16_matrix"][2:6].float())
+    assert torch.equal(reader["fp32_vector"].load(torch.float64), tensors["fp32_vector"].double())
+
+    data = path.read_bytes()
+    path.write_bytes(data[:-8])  # the header still parses; the last tensor's bytes are short
+    last = max(tensors, key=lambda n: json.loads(data[8:8 + int.from_bytes(data[:8], "little")])[n]["data_offsets"][1])
+    with pytest.raises(CheckpointError, match="model.safetensors is truncated"):
+        reader[last].load()

@@ -740,22 +740,10 @@ class BuildSummary:
     seconds: float
 
 
-def make_checkpoint(
-    out_dir: str | Path,
-    preset: str = "tiny",
-    seed: int = 0,
-    fmt: str = "original",
-    text_layers: int | None = None,
-    vision_layers: int | None = None,
-    audio_blocks: int | None = None,
-    num_shards: int | None = None,
-    dtype: str = "bfloat16",
-    overwrite: bool = False,
-) -> Path:
-    """Write a random checkpoint to `out_dir` (atomically) and return its path."""
-    return build_checkpoint(
-        out_dir, preset, seed, fmt, text_layers, vision_layers, audio_blocks, num_shards, dtype, overwrite
-    ).path
+def make_checkpoint(out_dir: str | Path, preset: str = "tiny", **options: Any) -> Path:
+    """Write a random checkpoint to `out_dir` (atomically) and return its path; `options` are build_checkpoint's
+    (seed, fmt, text_layers, vision_layers, audio_blocks, num_shards, dtype, overwrite)."""
+    return build_checkpoint(out_dir, preset, **options).path
 
 
 def build_checkpoint(

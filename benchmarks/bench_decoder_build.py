@@ -59,6 +59,22 @@ def _op_counts(path: Path) -> dict[str, int]:
     return counts
 
 
+def _build_result(out: Path, start: float, imported: float, graphs: float, saved: float, rss_imported: int
+                  ) -> dict[str, Any]:
+    """Phase times (perf_counter marks), memory and output of one build worker."""
+    return {
+        "import_s": imported - start,
+        "graph_s": graphs - imported,
+        "quantize_and_write_s": saved - graphs,
+        "build_s": saved - imported,
+        "rss_after_import_bytes": rss_imported,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "rss_at_end": rss_split(),
+        "files": _files(out),
+        "ops": _op_counts(out / "phi-4-mm-text.onnx"),
+    }
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Workers (each runs in a fresh process)
 
@@ -88,19 +104,8 @@ def worker_ours(checkpoint: Path, out: Path, lora: str) -> dict[str, Any]:
         writer.save(model, filename, DATA_FILES[Component.DECODER])
     saved = time.perf_counter()
     store = writer.stores[DATA_FILES[Component.DECODER]]
-    return {
-        "import_s": imported - start,
-        "graph_s": graphs - imported,
-        "quantize_and_write_s": saved - graphs,
-        "build_s": saved - imported,
-        "rss_after_import_bytes": rss_imported,
-        "peak_rss_bytes": peak_rss_bytes(),
-        "rss_at_end": rss_split(),
-        "files": _files(out),
-        "data_written_bytes": store.written_bytes,
-        "data_deduplicated_bytes": store.reused_bytes,
-        "ops": _op_counts(out / "phi-4-mm-text.onnx"),
-    }
+    return {**_build_result(out, start, imported, graphs, saved, rss_imported),
+            "data_written_bytes": store.written_bytes, "data_deduplicated_bytes": store.reused_bytes}
 
 
 def _stock_tree(weights: dict, config: Any) -> Any:
@@ -208,17 +213,7 @@ def worker_stock(checkpoint: Path, out: Path) -> dict[str, Any]:
     graphs = time.perf_counter()
     builder.save_model(str(out))
     saved = time.perf_counter()
-    return {
-        "import_s": imported - start,
-        "graph_s": graphs - imported,
-        "quantize_and_write_s": saved - graphs,
-        "build_s": saved - imported,
-        "rss_after_import_bytes": rss_imported,
-        "peak_rss_bytes": peak_rss_bytes(),
-        "rss_at_end": rss_split(),
-        "files": _files(out),
-        "ops": _op_counts(out / "phi-4-mm-text.onnx"),
-    }
+    return _build_result(out, start, imported, graphs, saved, rss_imported)
 
 
 def worker_run(checkpoint: Path, decoder: Path) -> dict[str, Any]:

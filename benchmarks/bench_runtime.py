@@ -260,7 +260,7 @@ def _tensor_bytes(tensor: Any) -> int:
 
 def decode_weight_bytes(decoder_path: Path) -> dict[str, Any]:
     """Bytes one decode step reads from MatMul / MatMulNBits / Gemm weights (each initializer counted once), split
-    into lm_head, LoRA branches and per-layer totals."""
+    into lm_head, LoRA branches and per-layer totals; "quantized" when any of them is MatMulNBits."""
     import onnx
 
     model = onnx.load(str(decoder_path), load_external_data=False)
@@ -268,9 +268,11 @@ def decode_weight_bytes(decoder_path: Path) -> dict[str, Any]:
     seen: set[str] = set()
     totals = {"lm_head": 0, "lora": 0, "layers": 0, "other": 0}
     per_layer: dict[int, int] = {}
+    quantized = False
     for node in model.graph.node:
         if node.op_type not in ("MatMul", "MatMulNBits", "Gemm"):
             continue
+        quantized = quantized or node.op_type == "MatMulNBits"
         for name in node.input[1:]:
             if name not in initializers or name in seen:
                 continue
@@ -296,6 +298,7 @@ def decode_weight_bytes(decoder_path: Path) -> dict[str, Any]:
         "total_bytes": total,
         **{f"{key}_bytes": value for key, value in totals.items()},
         "layers": layers,
+        "quantized": quantized,
         "per_layer_bytes": per_layer_mean,
         "fixed_bytes": fixed,
         f"estimated_total_bytes_{REAL_TEXT_LAYERS}_layers": fixed + REAL_TEXT_LAYERS * per_layer_mean,
@@ -660,6 +663,14 @@ def _linear_fit(large: float, small: float, large_layers: int, small_layers: int
     return {"fixed_s": large - large_layers * per_layer, "per_layer_s": per_layer}
 
 
+def _target(name: str, scope: str, stat: str, prompt: str, number: float, threshold: float, unit: str,
+            strict: bool = False) -> dict[str, Any]:
+    """One row of the targets table: `number` against `threshold` (> when strict, else >=)."""
+    return {"target": name, "scope": scope, "statistic": stat, "prompt": prompt, "value": number,
+            "threshold": threshold, "unit": unit, "comparison": ">" if strict else ">=",
+            "met": number > threshold if strict else number >= threshold}
+
+
 def layer_fits(text_large: dict[str, Any], text_small: dict[str, Any], large_layers: int, small_layers: int
                ) -> dict[str, dict[str, dict[str, float]]]:
     """time(L) = fixed + L x per_layer for the decode step and the prefill of the text prompt, two ways:
@@ -777,11 +788,8 @@ def analyse(runs: dict[int, dict[str, dict[str, Any]]], weights: dict[str, dict[
 
     def add(name: str, scope: str, stat: str, prompt: str, number: float | None, threshold: float, unit: str,
             strict: bool = False) -> None:
-        if number is None:
-            return
-        targets.append({"target": name, "scope": scope, "statistic": stat, "prompt": prompt, "value": number,
-                        "threshold": threshold, "unit": unit, "comparison": ">" if strict else ">=",
-                        "met": number > threshold if strict else number >= threshold})
+        if number is not None:
+            targets.append(_target(name, scope, stat, prompt, number, threshold, unit, strict))
 
     for estimate in (False, True):
         scope = f"{REAL_TEXT_LAYERS}-layer estimate" if estimate else f"measured, {main_layers} layers"
@@ -872,15 +880,11 @@ def analyse_full_depth(full: dict[str, Any], rows: dict[str, dict[str, Any]], ba
         if rate and torch_rate:
             label = "int4" if backend == "ort-int4" else "ORT fp32"
             threshold, strict = (5.0, False) if backend == "ort-int4" else (1.0, True)
-            out["targets"].append({"target": f"{label} decode vs PyTorch fp32 decode", "scope": versus_scope,
-                                   "statistic": stat, "prompt": "text", "value": rate / torch_rate,
-                                   "threshold": threshold, "unit": "x", "comparison": ">" if strict else ">=",
-                                   "met": rate / torch_rate > threshold if strict else rate / torch_rate >= threshold})
+            out["targets"].append(_target(f"{label} decode vs PyTorch fp32 decode", versus_scope, stat, "text",
+                                          rate / torch_rate, threshold, "x", strict))
         if rate and backend == "ort-int4":
-            pct = out[f"pct_of_bound_{stat}"]
-            out["targets"].append({"target": "int4 decode, % of the read-bandwidth bound", "scope": scope,
-                                   "statistic": stat, "prompt": "text", "value": pct, "threshold": 60.0, "unit": "%",
-                                   "comparison": ">=", "met": pct >= 60.0})
+            out["targets"].append(_target("int4 decode, % of the read-bandwidth bound", scope, stat, "text",
+                                          out[f"pct_of_bound_{stat}"], 60.0, "%"))
     for stat in ("best", "median"):
         out[f"estimated_prefill_s_{stat}"] = estimated.get(f"prefill_s_{stat}")
     return out
@@ -1193,19 +1197,13 @@ def main(argv: list[str] | None = None) -> int:
 
     probes = probe_bandwidth("start")
 
-    def case(prompt: Prompt, decoder: str, new_tokens: int, encoders: bool = False, last: bool = False
-             ) -> dict[str, Any]:
-        return {"name": prompt.name, "key": prompt.name + ("@" + LAST_LOGITS_SUFFIX[1:] if last else ""),
-                "text": prompt.text, "images": list(prompt.images), "audios": list(prompt.audios),
-                "decoder": decoder, "repeats": args.repeats, "budget_s": args.budget, "new_tokens": new_tokens,
-                "encoders": encoders and bool(prompt.images or prompt.audios)}
-
     def job(backend: str, layers: int, selected: list[Prompt], label: str) -> dict[str, Any]:
         """A worker job for `selected` prompts; ORT jobs at the main depth also get the last-position-logits runs
         of the --last-logits-prompts among them, right after the built decoder's."""
         label = f"{backend}-text{layers}-{label}"
         if backend == "torch-fp32":
-            cases = [case(p, "", args.new_tokens, encoders=layers == main_layers and p.name in encoder_prompts)
+            cases = [make_case(p, "", args.new_tokens, args,
+                               encoders=layers == main_layers and p.name in encoder_prompts)
                      for p in selected]
             encoder_packages = {f"ort-{precision}": str(packages[layers, precision]) for precision in PRECISIONS}
             for c in cases:
@@ -1215,9 +1213,9 @@ def main(argv: list[str] | None = None) -> int:
         precision = backend.split("-")[1]
         cases = []
         for p in selected:
-            cases.append(case(p, VARIANT_FILES[p.mode], args.new_tokens))
+            cases.append(make_case(p, VARIANT_FILES[p.mode], args.new_tokens, args))
             if layers == main_layers and p.name in last_logits_prompts:
-                cases.append(case(p, last_logits_files[precision, VARIANT_FILES[p.mode]], 1, last=True))
+                cases.append(make_case(p, last_logits_files[precision, VARIANT_FILES[p.mode]], 1, args, last=True))
         return {"backend": "ort", "label": label, "package": str(packages[layers, precision]),
                 "threads": args.threads, "cases": cases}
 
@@ -1290,6 +1288,15 @@ def main(argv: list[str] | None = None) -> int:
     return publish(result, args.out, args.doc)
 
 
+def make_case(prompt: Prompt, decoder: str, new_tokens: int, args: argparse.Namespace, encoders: bool = False,
+              last: bool = False) -> dict[str, Any]:
+    """A worker's description of one prompt run (decoder file; `last`: the last-position-logits copy)."""
+    return {"name": prompt.name, "key": prompt.name + ("@" + LAST_LOGITS_SUFFIX[1:] if last else ""),
+            "text": prompt.text, "images": list(prompt.images), "audios": list(prompt.audios),
+            "decoder": decoder, "repeats": args.repeats, "budget_s": args.budget, "new_tokens": new_tokens,
+            "encoders": encoders and bool(prompt.images or prompt.audios)}
+
+
 def measure_full_depth(package: Path, text: list[Prompt], args: argparse.Namespace, work: Path
                        ) -> dict[str, Any] | None:
     """The text prompt on a package of the real depth (one ORT worker, --rounds runs): measured, not extrapolated."""
@@ -1299,18 +1306,12 @@ def measure_full_depth(package: Path, text: list[Prompt], args: argparse.Namespa
     decoder = VARIANT_FILES["text"]
     config = json.loads((package / "genai_config.json").read_text(encoding="utf-8"))
     graph = decode_weight_bytes(package / decoder)
-    import onnx
-
-    ops = {node.op_type for node in onnx.load(str(package / decoder), load_external_data=False).graph.node}
-    precision = "int4" if "MatMulNBits" in ops else "fp32"
+    precision = "int4" if graph["quantized"] else "fp32"
     prompt = text[0]
     parts = []
     for index in range(args.rounds):
         job = {"backend": "ort", "label": f"ort-{precision}-full-depth-round{index + 1}", "package": str(package),
-               "threads": args.threads,
-               "cases": [{"name": prompt.name, "key": prompt.name, "text": prompt.text, "images": [], "audios": [],
-                          "decoder": decoder, "repeats": args.repeats, "budget_s": args.budget,
-                          "new_tokens": args.new_tokens, "encoders": False}]}
+               "threads": args.threads, "cases": [make_case(prompt, decoder, args.new_tokens, args)]}
         parts.append(run_worker(job, work)[prompt.name])
     return {"package": str(package), "backend": f"ort-{precision}",
             "layers": int(config["model"]["decoder"]["num_hidden_layers"]), "weights": graph,

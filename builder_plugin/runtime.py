@@ -183,6 +183,32 @@ def build_prompt(turns: Sequence[Turn | str], system: str | None = None) -> str:
 
 
 @dataclass(frozen=True)
+class Sampling:
+    """Search options of one answer; the default (all None) is greedy search."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+
+    def search_options(self) -> dict[str, Any]:
+        if self.temperature is None and self.top_p is None and self.top_k is None:
+            return {"do_sample": False}
+        if self.temperature is not None and self.temperature <= 0:
+            return {"do_sample": False}  # temperature 0 means greedy, as in the OpenAI API
+        options: dict[str, Any] = {"do_sample": True}
+        if self.temperature is not None:
+            options["temperature"] = float(self.temperature)
+        if self.top_p is not None:
+            options["top_p"] = float(self.top_p)
+        if self.top_k is not None:
+            options["top_k"] = int(self.top_k)
+        if self.seed is not None:
+            options["random_seed"] = int(self.seed)
+        return options
+
+
+@dataclass(frozen=True)
 class Stats:
     prompt_tokens: int  # after the runtime expanded the image and audio placeholders
     new_tokens: int
@@ -190,6 +216,7 @@ class Stats:
     tokens_per_s: float  # decode speed after the first token (0 when only one token was made)
     variant: str  # decoder file that answered
     total_s: float = 0.0
+    finish_reason: str = "length"  # "stop": an end-of-sequence token ended the answer; "length": the token limit
 
 
 @dataclass
@@ -300,8 +327,18 @@ class Chat:
         """Forget the conversation (loaded models are kept)."""
         self.turns.clear()
 
+    def restore(self, turns: Sequence[Turn]) -> None:
+        """Make `turns` (answered questions) the conversation so far, as if they had been asked here; the next
+        question is answered after them. Restoring the conversation already held changes nothing."""
+        turns = list(turns)
+        if any(t.assistant is None for t in turns):
+            raise ValueError("restored turns must all be answered")
+        if turns == self.turns:
+            return
+        self.turns = turns
+
     def ask(self, text: str, images: Sequence[str | Path] = (), audios: Sequence[str | Path] = (),
-            max_new_tokens: int = 256) -> Iterator[str]:
+            max_new_tokens: int = 256, sampling: Sampling | None = None) -> Iterator[str]:
         """Ask the next question; returns an iterator over the answer's text pieces as they are generated.
 
         Files are checked, the prompt built and the inputs preprocessed before this returns (so every ChatError is
@@ -311,12 +348,13 @@ class Chat:
         prompt = build_prompt(conversation, self.system)
         request = self._prepare(prompt, [p for t in conversation for p in t.images],
                                 [p for t in conversation for p in t.audios])
-        return self._answer(request, max_new_tokens, turn)
+        return self._answer(request, max_new_tokens, turn, sampling)
 
-    def _answer(self, request: _Request, max_new_tokens: int, turn: Turn) -> Iterator[str]:
+    def _answer(self, request: _Request, max_new_tokens: int, turn: Turn,
+                sampling: Sampling | None) -> Iterator[str]:
         pieces: list[str] = []
         try:
-            for _, piece in self._generate(request, max_new_tokens):
+            for _, piece in self._generate(request, max_new_tokens, sampling):
                 pieces.append(piece)
                 yield piece
         except ChatError:
@@ -379,17 +417,20 @@ class Chat:
                         from None
         raise ChatError(f"the runtime rejected the prompt: {message}")
 
-    def _generate(self, request: _Request, max_new_tokens: int) -> Iterator[tuple[int, str]]:
+    def _generate(self, request: _Request, max_new_tokens: int,
+                  sampling: Sampling | None = None) -> Iterator[tuple[int, str]]:
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
         loaded = request.loaded
         params = og.GeneratorParams(loaded.model)
-        params.set_search_options(max_length=min(request.max_length, request.prompt_tokens + max_new_tokens))
+        params.set_search_options(max_length=min(request.max_length, request.prompt_tokens + max_new_tokens),
+                                  **(sampling or Sampling()).search_options())
         generator = og.Generator(loaded.model, params)
         stream = loaded.tokenizer.create_stream()
         eos = {int(t) for t in loaded.tokenizer.eos_token_ids}
         first = None
         count = 0
+        finish = "length"
         try:
             try:
                 generator.set_inputs(request.inputs)
@@ -401,6 +442,8 @@ class Chat:
                 count += 1
                 if first is None:
                     first = time.perf_counter()
+                if token in eos:
+                    finish = "stop"
                 yield token, ("" if token in eos else stream.decode(token))
         finally:
             end = time.perf_counter()
@@ -413,6 +456,7 @@ class Chat:
                 tokens_per_s=(count - 1) / decode_s if count > 1 and decode_s > 0 else 0.0,
                 variant=request.variant,
                 total_s=end - request.started,
+                finish_reason=finish,
             )
 
 

@@ -24,6 +24,7 @@ from builder_plugin.config import Phi4MMConfig, read_json
 from builder_plugin.errors import BuildError, InputError
 from builder_plugin.options import BuildOptions
 from builder_plugin.package import DATA_FILES, FILENAMES, OutputFolder, PackageWriter
+from builder_plugin.runtime.manifest import Manifest
 from genai_config import (
     GENAI_CONFIG_FILE,
     SPEECH_PROCESSOR_FILE,
@@ -72,7 +73,7 @@ def validate_options(options: BuildOptions, config: Phi4MMConfig) -> None:
     if options.precision == "fp16" and options.execution_provider == "cpu":
         raise InputError("fp16 builds are for -e cuda, dml or webgpu; on cpu use -p fp32 or -p int4")
     wanted = {"vision": ["vision"], "speech": ["speech"], "vision+speech": ["vision", "speech"],
-              "routed": ["vision", "speech"], "none": []}[options.lora]
+              "routed": ["vision", "speech"], "split": ["vision", "speech"], "none": []}[options.lora]
     missing = [name for name in wanted if name not in config.loras]
     if missing and Component.DECODER in options.components:
         raise InputError(f"--lora {options.lora} needs the {' and '.join(missing)} LoRA, which this checkpoint lacks")
@@ -112,7 +113,7 @@ def build(options: BuildOptions, progress: bool = True) -> BuildResult:
             if progress:
                 print(f"[{step}/{len(components)}] {component.value}: building the graph", file=sys.stderr, flush=True)
             builder = classes[component](config, options)
-            spec = builder.io_spec(config, options.io_dtype, options.execution_provider)
+            spec = builder.spec_for(config, options)
             models = builder.build(weights[component])
             for filename, model in models.items():
                 check_io(model, spec, filename)
@@ -159,6 +160,8 @@ def _write_runtime_configs(folder: Path, config: Phi4MMConfig, options: BuildOpt
                               share_kv_buffer=settings.past_present_share_buffer, generation=generation,
                               provider_options=list(settings.provider_options))
     write_json(folder / GENAI_CONFIG_FILE, genai)
+    routing, decoders = settings.decoders_by_mode()
+    Manifest(decoders, routing, config.text.original_max_position_embeddings).write(folder)
     preprocessor = {}
     if (options.model_dir / "preprocessor_config.json").is_file():
         preprocessor = json.loads((options.model_dir / "preprocessor_config.json").read_text(encoding="utf-8"))

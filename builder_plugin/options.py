@@ -10,11 +10,11 @@ from builder_plugin.components.spec import Component
 
 Precision = Literal["fp32", "fp16", "int4"]
 ExecutionProvider = Literal["cpu", "cuda", "dml", "webgpu"]
-LoraChoice = Literal["routed", "vision", "speech", "none", "vision+speech"]
+LoraChoice = Literal["routed", "split", "vision", "speech", "none", "vision+speech"]
 
 PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "int4")
 EXECUTION_PROVIDERS: tuple[str, ...] = ("cpu", "cuda", "dml", "webgpu")
-LORA_CHOICES: tuple[str, ...] = ("routed", "vision", "speech", "none", "vision+speech")
+LORA_CHOICES: tuple[str, ...] = ("routed", "split", "vision", "speech", "none", "vision+speech")
 ALL_COMPONENTS: frozenset[Component] = frozenset(Component)
 
 

@@ -35,6 +35,11 @@ class ComponentBuilder(ABC):
         """Names, dtypes and symbolic shapes of the graph's inputs and outputs (the provider matters for the
         decoder: on dml it takes position_ids)."""
 
+    @classmethod
+    def spec_for(cls, config: Phi4MMConfig, options: BuildOptions) -> IOSpec:
+        """The I/O spec of the graphs a build with `options` makes."""
+        return cls.io_spec(config, options.io_dtype, options.execution_provider)
+
     @abstractmethod
     def build(self, weights: Mapping[str, TensorRef]) -> dict[str, ir.Model]:
         """Build the graph(s) from the routed weights (local name -> tensor); returns file name -> model."""

@@ -13,7 +13,9 @@ What the subclass changes (genai-builder-internals.md §5, §8, §12):
   shared by every variant of one build, so a writer that deduplicates stores the base weights once.
 - LoRA: per input mode instead of "vision always on". Each adapter is an extra branch ``((x·A)·(s·B))`` added to the
   base MatMul, with one A MatMul per source projection (packed qkv stays one MatMul; gate and up share A). With
-  ``merge_lora`` a single adapter is folded into the base weights in fp32 instead.
+  ``merge_lora`` a single adapter is folded into the base weights in fp32 instead. The default ``routed`` decoder holds
+  both adapters behind ``If`` nodes and picks one per conversation from the placeholder ids (`mode_routing`); ``split``
+  writes one decoder file per input mode instead.
 - int4: the float graph is rewritten by `builder_plugin.quantize.quantize_matmuls` (lazy, streaming) rather than the
   builder's whole-graph ``to_nbits``.
 - The LongRoPE cos/sin caches, which the builder puts in ``If`` branches as Constant nodes inside ``model.onnx``, are
@@ -36,16 +38,17 @@ import torch
 
 from builder_plugin.checkpoint.reader import TensorRef
 from builder_plugin.components.base import ComponentBuilder
+from builder_plugin.components.mode_routing import ROUTED_ADAPTERS, add_mode_state, mode_io, route_lora_branches
 from builder_plugin.components.spec import Component, IOSpec, TensorSpec, check_io
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.errors import BuildError, CheckpointError
 from builder_plugin.options import BuildOptions
 from builder_plugin.quantize import ColumnChunkedTensor, QuantizationCache, quantize_matmuls
 
-# The decoder genai_config.json names, and the other per-mode variants of a routed build.
+# The decoder genai_config.json names, and the other per-mode files of a split build (--lora split).
 MAIN_DECODER = "phi-4-mm-text.onnx"
-ROUTED_FILENAMES: dict[str, str] = {
-    "vision": MAIN_DECODER,  # images, and images + audio (phi4mm-architecture.md §5.2)
+SPLIT_FILENAMES: dict[str, str] = {
+    "vision": MAIN_DECODER,  # images, and images + audio
     "speech": "phi-4-mm-text-speech.onnx",  # audio only
     "none": "phi-4-mm-text-base.onnx",  # text only
 }
@@ -67,9 +70,14 @@ class DecoderVariant:
     """One decoder graph: which adapters run as LoRA branches, or which one is merged into the base weights."""
 
     filename: str
-    mode: str  # "vision" | "speech" | "none" | "vision+speech"
+    mode: str  # "routed" | "vision" | "speech" | "none" | "vision+speech"
     adapters: tuple[str, ...] = ()
     merged: str | None = None
+
+    @property
+    def self_routing(self) -> bool:
+        """One graph for every input mode, choosing its adapter from the placeholder ids (`mode_routing`)."""
+        return self.mode == "routed"
 
 
 def decoder_variants(config: Phi4MMConfig, options: BuildOptions) -> tuple[DecoderVariant, ...]:
@@ -84,9 +92,12 @@ def decoder_variants(config: Phi4MMConfig, options: BuildOptions) -> tuple[Decod
         _require_adapters(config, (lora,))
         return (DecoderVariant(MAIN_DECODER, lora, merged=lora),)
     if lora == "routed":
+        _require_adapters(config, ROUTED_ADAPTERS)
+        return (DecoderVariant(MAIN_DECODER, "routed", adapters=ROUTED_ADAPTERS),)
+    if lora == "split":
         _require_adapters(config, ("vision", "speech"))
         return tuple(DecoderVariant(name, mode, adapters=() if mode == "none" else (mode,))
-                     for mode, name in ROUTED_FILENAMES.items())
+                     for mode, name in SPLIT_FILENAMES.items())
     if lora == "none":
         return (DecoderVariant(MAIN_DECODER, "none"),)
     adapters = tuple(lora.split("+"))
@@ -110,7 +121,7 @@ class DecoderRuntimeSettings:
     """What genai_config.json needs from the builder for the decoder section and the search options."""
 
     filename: str  # the decoder genai_config.json names
-    variants: dict[str, str]  # input mode -> decoder file ("vision", "speech", "none", or the single mode built)
+    variants: dict[str, str]  # input mode -> decoder file ("routed", "vision", "speech", "none", or the mode built)
     past_present_share_buffer: bool
     provider_options: tuple[dict[str, dict[str, str]], ...]
     context_length: int
@@ -123,6 +134,14 @@ class DecoderRuntimeSettings:
     io_dtype: str
     attention_op: str
     has_position_ids: bool
+
+    def decoders_by_mode(self) -> tuple[str, dict[str, str]]:
+        """How the decoder files answer the runtime's input modes: (routing, {mode: file}) for the manifest."""
+        if set(self.variants) == {"vision", "speech", "none"}:
+            return "split", {"text": self.variants["none"], "vision": self.variants["vision"],
+                             "speech": self.variants["speech"]}
+        routing = "self" if set(self.variants) == {"routed"} else "fixed"
+        return routing, dict.fromkeys(("text", "vision", "speech"), self.filename)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -638,12 +657,14 @@ def _fix_declared_shapes(model: ir.Model) -> None:
 class DecoderBuilder(ComponentBuilder):
     component = Component.DECODER
 
-    # Files a routed build writes, by input mode; the CLI/app selects one with a genai_config overlay.
-    FILENAMES: ClassVar[dict[str, str]] = ROUTED_FILENAMES
+    # Files a split build writes, by input mode; the app selects one with a genai_config overlay.
+    FILENAMES: ClassVar[dict[str, str]] = SPLIT_FILENAMES
 
     @classmethod
-    def io_spec(cls, config: Phi4MMConfig, io_dtype: str, execution_provider: str = "cpu") -> IOSpec:
-        """The graph I/O as the GenAI builder emits it (base.py input/output tables, exclude_embeds, GQA)."""
+    def io_spec(cls, config: Phi4MMConfig, io_dtype: str, execution_provider: str = "cpu",
+                self_routing: bool = False) -> IOSpec:
+        """The graph I/O as the GenAI builder emits it (base.py input/output tables, exclude_embeds, GQA), plus the
+        self-routing decoder's `input_ids` and mode KV layer."""
         text = config.text
         kv_heads = text.num_key_value_heads
         layers = range(text.num_hidden_layers)
@@ -659,7 +680,17 @@ class DecoderBuilder(ComponentBuilder):
         outputs = [TensorSpec("logits", io_dtype, ("batch_size", 1, text.vocab_size))]  # last position only
         outputs += [TensorSpec(f"present.{i}.key", io_dtype, present) for i in layers]
         outputs += [TensorSpec(f"present.{i}.value", io_dtype, present) for i in layers]
+        if self_routing:
+            extra_inputs, extra_outputs = mode_io(text.num_hidden_layers, io_dtype, kv_heads)
+            inputs += extra_inputs
+            outputs += extra_outputs
         return IOSpec(tuple(inputs), tuple(outputs))
+
+    @classmethod
+    def spec_for(cls, config: Phi4MMConfig, options: BuildOptions) -> IOSpec:
+        """The I/O of the decoder(s) `options` build (every variant of one build has the same I/O)."""
+        self_routing = decoder_variants(config, options)[0].self_routing
+        return cls.io_spec(config, options.io_dtype, options.execution_provider, self_routing=self_routing)
 
     @classmethod
     def runtime_settings(cls, config: Phi4MMConfig, options: BuildOptions) -> DecoderRuntimeSettings:
@@ -709,7 +740,8 @@ class DecoderBuilder(ComponentBuilder):
         tensors = WeightTensors(options.io_dtype)
         rope_caches: dict[str, ir.TensorProtocol] = {}
         quant_cache = QuantizationCache()
-        spec = self.io_spec(config, options.io_dtype, options.execution_provider)
+        spec = self.spec_for(config, options)
+        text = config.text
         models: dict[str, ir.Model] = {}
         for variant in variants:
             tree = make_tree(weights, config, variant)
@@ -720,6 +752,10 @@ class DecoderBuilder(ComponentBuilder):
             model.graph.sort()
             _hoist_rope_caches(model, rope_caches)
             _fix_declared_shapes(model)
+            if variant.self_routing:
+                is_vision, is_speech = add_mode_state(model, text.num_hidden_layers, text.num_key_value_heads,
+                                                      text.head_dim)
+                route_lora_branches(model, is_vision, is_speech)
             builder.stamp_build_metadata(model)
             check_io(model, spec, variant.filename)
             if options.quantize:

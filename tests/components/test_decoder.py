@@ -21,11 +21,12 @@ import torch
 
 from builder_plugin.components.decoder import (
     MAIN_DECODER,
-    ROUTED_FILENAMES,
+    SPLIT_FILENAMES,
     DecoderBuilder,
     DecoderBuildError,
     decoder_variants,
 )
+from builder_plugin.components.mode_routing import AUDIO_TOKEN_ID, IMAGE_TOKEN_ID
 from builder_plugin.components.spec import Component, check_io
 from builder_plugin.options import BuildOptions
 from builder_plugin.package import DATA_FILES, PackageWriter
@@ -46,7 +47,7 @@ def _build_and_save(config, weights, options: BuildOptions, folder: Path) -> tup
     folder.mkdir(parents=True, exist_ok=True)
     builder = DecoderBuilder(config, options)
     models = builder.build(weights[Component.DECODER])
-    spec = DecoderBuilder.io_spec(config, options.io_dtype, options.execution_provider)
+    spec = DecoderBuilder.spec_for(config, options)
     writer = PackageWriter(folder, progress=False)
     paths = {}
     for filename, model in models.items():
@@ -55,13 +56,18 @@ def _build_and_save(config, weights, options: BuildOptions, folder: Path) -> tup
     return writer, paths
 
 
-# name -> (build options, decoder file, reference LoRA)
+# name -> (build options, decoder file, reference LoRA, placeholder ids in the prompt of a self-routing decoder)
 VARIANTS = {
-    "base": ({"lora": "routed"}, ROUTED_FILENAMES["none"], "none"),
-    "vision": ({"lora": "routed"}, ROUTED_FILENAMES["vision"], "vision"),
-    "speech": ({"lora": "routed"}, ROUTED_FILENAMES["speech"], "speech"),
-    "vision+speech": ({"lora": "vision+speech"}, MAIN_DECODER, "vision+speech"),
-    "merged-vision": ({"lora": "vision", "merge": True}, MAIN_DECODER, "vision"),
+    "base": ({"lora": "split"}, SPLIT_FILENAMES["none"], "none", ()),
+    "vision": ({"lora": "split"}, SPLIT_FILENAMES["vision"], "vision", ()),
+    "speech": ({"lora": "split"}, SPLIT_FILENAMES["speech"], "speech", ()),
+    "vision+speech": ({"lora": "vision+speech"}, MAIN_DECODER, "vision+speech", ()),
+    "merged-vision": ({"lora": "vision", "merge": True}, MAIN_DECODER, "vision", ()),
+    # one self-routing decoder: the prompt's placeholder ids choose the adapter (image wins over audio)
+    "routed-text": ({"lora": "routed"}, MAIN_DECODER, "none", ()),
+    "routed-image": ({"lora": "routed"}, MAIN_DECODER, "vision", (IMAGE_TOKEN_ID,)),
+    "routed-audio": ({"lora": "routed"}, MAIN_DECODER, "speech", (AUDIO_TOKEN_ID,)),
+    "routed-image+audio": ({"lora": "routed"}, MAIN_DECODER, "vision", (AUDIO_TOKEN_ID, IMAGE_TOKEN_ID)),
 }
 
 
@@ -70,7 +76,7 @@ def fp32_builds(tiny_checkpoint, tiny_config, tiny_weights, tmp_path_factory) ->
     """Each distinct fp32 build of VARIANTS written once as its own package: build key -> (writer, {file: path})."""
     root = tmp_path_factory.mktemp("decoder-fp32")
     builds = {}
-    for kwargs, _, _ in VARIANTS.values():
+    for kwargs, *_ in VARIANTS.values():
         key = tuple(sorted(kwargs.items()))
         if key not in builds:
             folder = root / f"build{len(builds)}"
@@ -82,7 +88,7 @@ def fp32_builds(tiny_checkpoint, tiny_config, tiny_weights, tmp_path_factory) ->
 def fp32_packages(fp32_builds) -> dict[str, Path]:
     """Variant name -> its decoder file."""
     return {name: fp32_builds[tuple(sorted(kwargs.items()))][1][filename]
-            for name, (kwargs, filename, _) in VARIANTS.items()}
+            for name, (kwargs, filename, *_) in VARIANTS.items()}
 
 
 @contextlib.contextmanager
@@ -111,33 +117,45 @@ def _reference_lora(reference, lora: str):
 
 
 class SharedBufferDecoder:
-    """Prefill + KV-cached decode with GQA's shared buffer, as onnxruntime-genai drives the decoder."""
+    """Prefill + KV-cached decode with GQA's shared buffer, as onnxruntime-genai drives the decoder: the KV layers
+    are the graph's own past inputs (a self-routing decoder has one more), and `input_ids` is fed when the graph
+    declares it."""
 
     def __init__(self, path: Path, config) -> None:
         self.session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         self.outputs = [o.name for o in self.session.get_outputs()]
+        inputs = [i.name for i in self.session.get_inputs()]
         text = config.text
-        self.layers, self.kv_heads, self.head = text.num_hidden_layers, text.num_key_value_heads, text.head_dim
+        self.layers = sum(name.startswith("past_key_values.") and name.endswith(".key") for name in inputs)
+        self.kv_heads, self.head = text.num_key_value_heads, text.head_dim
+        self.takes_ids = "input_ids" in inputs
 
-    def run(self, prefix: np.ndarray, steps: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+    def run(self, prefix: np.ndarray, steps: list[np.ndarray], placeholders: tuple[int, ...] = ()
+            ) -> tuple[np.ndarray, list[np.ndarray]]:
         """(prefill logits [1, vocab]: the graph emits the last position only; last-position logits after the
-        prefill and after each step)."""
+        prefill and after each step). `placeholders` are written at the start of the prompt's ids (the embeddings
+        are given, so the ids only tell a self-routing decoder the input mode); step ids are plain tokens."""
         past = {f"past_key_values.{i}.{kind}": np.zeros((1, self.kv_heads, MAX_LENGTH, self.head), np.float32)
                 for i in range(self.layers) for kind in ("key", "value")}
         total = prefix.shape[1]
-        out = self._run(prefix, total, past)
+        ids = np.ones((1, total), np.int64)
+        ids[0, :len(placeholders)] = placeholders
+        out = self._run(prefix, ids, total, past)
         prefill = out["logits"][0]
         last = [prefill[-1]]
         for embeds in steps:
             total += 1
             past = {f"past_key_values.{i}.{kind}": out[f"present.{i}.{kind}"]
                     for i in range(self.layers) for kind in ("key", "value")}
-            out = self._run(embeds, total, past)
+            out = self._run(embeds, np.ones((1, 1), np.int64), total, past)
             last.append(out["logits"][0, -1])
         return prefill, last
 
-    def _run(self, embeds: np.ndarray, total: int, past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def _run(self, embeds: np.ndarray, ids: np.ndarray, total: int,
+             past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         feeds = {"inputs_embeds": embeds.astype(np.float32), "attention_mask": np.ones((1, total), np.int64), **past}
+        if self.takes_ids:
+            feeds["input_ids"] = ids
         result = dict(zip(self.outputs, self.session.run(None, feeds)))
         assert result["present.0.key"].shape[2] == MAX_LENGTH  # GQA kept the shared buffer
         return result
@@ -157,12 +175,12 @@ def _prompt(reference, length: int, seed: int) -> tuple[torch.Tensor, list[int]]
 def test_prefill_and_cached_decode_match_the_reference(variant, fp32_packages, tiny_config, reference) -> None:
     original = tiny_config.text.original_max_position_embeddings
     decoder = SharedBufferDecoder(fp32_packages[variant], tiny_config)
-    lora = VARIANTS[variant][2]
+    _, _, lora, placeholders = VARIANTS[variant]
     for length in (40, original + 72):  # short factors only / long factors from the start (LongRoPE switch)
         assert length + DECODE_STEPS <= MAX_LENGTH
         embeds, new_tokens = _prompt(reference, length, seed=length)
         step_embeds = [reference.embeddings(torch.tensor([[t]])).numpy() for t in new_tokens]
-        prefill, steps = decoder.run(embeds.numpy(), step_embeds)
+        prefill, steps = decoder.run(embeds.numpy(), step_embeds, placeholders)
         with _reference_lora(reference, lora) as ref_lora:
             want_prefill = reference.logits(embeds, ref_lora)[0, -1:].numpy()
             want_steps = reference.decode_logits(embeds, new_tokens, ref_lora)
@@ -184,16 +202,18 @@ def test_decode_crossing_the_longrope_switch_keeps_cached_keys(fp32_packages, ti
     assert max(float(np.abs(g - w.numpy()).max()) for g, w in zip(steps, want)) <= TOLERANCE
 
 
+SPLIT = (("lora", "split"),)
 ROUTED = (("lora", "routed"),)
 
 
-def test_variants_share_identical_base_weights_stored_once(tiny_checkpoint, tiny_config, tiny_weights,
-                                                           fp32_builds) -> None:
-    models = DecoderBuilder(tiny_config, _options(tiny_checkpoint)).build(tiny_weights[Component.DECODER])
-    assert list(models) == [ROUTED_FILENAMES[m] for m in ("vision", "speech", "none")]
-    base = models[ROUTED_FILENAMES["none"]].graph.initializers
+def test_split_variants_share_identical_base_weights_stored_once(tiny_checkpoint, tiny_config, tiny_weights,
+                                                                 fp32_builds) -> None:
+    models = DecoderBuilder(tiny_config, _options(tiny_checkpoint, lora="split")).build(
+        tiny_weights[Component.DECODER])
+    assert list(models) == [SPLIT_FILENAMES[m] for m in ("vision", "speech", "none")]
+    base = models[SPLIT_FILENAMES["none"]].graph.initializers
     assert not any("lora" in name for name in base)
-    for filename in (ROUTED_FILENAMES["vision"], ROUTED_FILENAMES["speech"]):
+    for filename in (SPLIT_FILENAMES["vision"], SPLIT_FILENAMES["speech"]):
         variant = models[filename].graph.initializers
         assert set(base) <= set(variant)
         for name, value in base.items():  # same names, same tensor objects (so the same bytes)
@@ -205,11 +225,41 @@ def test_variants_share_identical_base_weights_stored_once(tiny_checkpoint, tiny
                 stored_large[id(value.const_value)] = value.const_value.nbytes
     base_bytes = sum(v.const_value.nbytes for v in base.values() if v.const_value.nbytes > 1024)
 
-    writer, paths = fp32_builds[ROUTED]  # the same build, written by the PackageWriter
+    writer, paths = fp32_builds[SPLIT]  # the same build, written by the PackageWriter
     size = (paths[MAIN_DECODER].parent / DATA_FILE).stat().st_size
     assert sum(stored_large.values()) <= size < sum(stored_large.values()) + 64 * len(stored_large)
     assert size < 1.2 * base_bytes + 2 * 64 * 1024  # the base weights are stored once, not three times
     assert writer.stores[DATA_FILE].reused_bytes >= 2 * base_bytes
+
+
+def test_routed_decoder_runs_each_adapter_behind_an_if(fp32_builds, tiny_config) -> None:
+    """The self-routing decoder: every base MatMul once in the main graph, each LoRA branch only inside the If
+    branch of its adapter, its weights main-graph initializers (prepacked once), and the mode KV layer."""
+    _, paths = fp32_builds[ROUTED]
+    assert list(paths) == [MAIN_DECODER]
+    model = ir.load(str(paths[MAIN_DECODER]))
+    text = tiny_config.text
+    graph = model.graph
+    assert [v.name for v in graph.inputs][-3:] == ["input_ids", f"past_key_values.{text.num_hidden_layers}.key",
+                                                   f"past_key_values.{text.num_hidden_layers}.value"]
+    assert not any("lora" in (n.name or "") for n in graph if n.op_type == "MatMul")
+    routes = [n for n in graph if n.op_type == "If" and "/lora.vision/" in n.name]
+    assert len(routes) == 4 * text.num_hidden_layers  # qkv, o, gate_up, down per layer
+    for node in routes:
+        assert node.inputs[0].name == "/model/mode/is_vision"
+        vision = node.attributes["then_branch"].value
+        (speech_if,) = list(node.attributes["else_branch"].value)
+        assert speech_if.inputs[0].name == "/model/mode/is_speech"
+        speech = speech_if.attributes["then_branch"].value
+        none = speech_if.attributes["else_branch"].value
+        for branch, adapter in ((vision, "vision"), (speech, "speech")):
+            matmuls = [n for n in branch if n.op_type == "MatMul"]
+            assert matmuls and all(f".{adapter}/" in n.name for n in matmuls)
+            assert not branch.initializers  # the weights stay outer-scope initializers
+            assert all(n.inputs[1].name in graph.initializers for n in matmuls)
+        assert {n.op_type for n in none} == {"Identity"}
+    base_users = Counter(n.inputs[1].name for n in graph if n.op_type == "MatMul")
+    assert all(count == 1 for count in base_users.values())
 
 
 def test_building_twice_gives_identical_files(tiny_checkpoint, tiny_config, tiny_weights, fp32_builds,
@@ -275,16 +325,17 @@ def _canonical_nodes(graph: onnx.GraphProto) -> list[tuple]:
              sorted((attribute(a) for a in n.attribute), key=lambda item: item[0])) for n in graph.node]
 
 
-def test_streaming_int4_equals_whole_graph_quantization(tiny_checkpoint, tiny_config, tiny_weights, fp32_builds,
-                                                       tmp_path) -> None:
-    """The streaming int4 build (weights quantized one at a time while writing, base weights shared by the three
-    variants) gives the same tensors, nodes and outputs as the non-streaming path: each fp32 variant loaded whole
-    and quantized by onnxruntime's MatMulNBitsQuantizer."""
+@pytest.mark.parametrize("lora", ["routed", "split"])
+def test_streaming_int4_equals_whole_graph_quantization(lora, tiny_checkpoint, tiny_config, tiny_weights,
+                                                       fp32_builds, tmp_path) -> None:
+    """The streaming int4 build (weights quantized one at a time while writing, base weights shared by the split
+    variants, LoRA weights read from If branches in the routed one) gives the same tensors, nodes and outputs as the
+    non-streaming path: each fp32 graph loaded whole and quantized by onnxruntime's MatMulNBitsQuantizer."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    options = _options(tiny_checkpoint, precision="int4", lora="routed")
+    options = _options(tiny_checkpoint, precision="int4", lora=lora)
     _, streamed = _build_and_save(tiny_config, tiny_weights, options, tmp_path / "streamed")
-    _, float_paths = fp32_builds[(("lora", "routed"),)]
+    _, float_paths = fp32_builds[(("lora", lora),)]
     hidden = tiny_config.text.hidden_size
     rng = np.random.default_rng(5)
     embeds = rng.standard_normal((1, 24, hidden)).astype(np.float32) * 0.5
@@ -308,9 +359,10 @@ def test_streaming_int4_equals_whole_graph_quantization(tiny_checkpoint, tiny_co
             assert array.tobytes() == whole_tensors[name].tobytes(), name
         assert _canonical_nodes(ours.graph) == _canonical_nodes(whole.graph), filename
 
-        got = SharedBufferDecoder(path, tiny_config).run(embeds, steps)[1]
-        want = SharedBufferDecoder(whole_path, tiny_config).run(embeds, steps)[1]
-        np.testing.assert_array_equal(np.stack(got), np.stack(want))
+        for placeholders in ((), (IMAGE_TOKEN_ID,), (AUDIO_TOKEN_ID,)):
+            got = SharedBufferDecoder(path, tiny_config).run(embeds, steps, placeholders)[1]
+            want = SharedBufferDecoder(whole_path, tiny_config).run(embeds, steps, placeholders)[1]
+            np.testing.assert_array_equal(np.stack(got), np.stack(want))
 
 
 def _register_ort_onnx_domain_schemas() -> None:
@@ -380,7 +432,7 @@ def test_graph_structure_follows_the_genai_builder(fp32_packages, tiny_config) -
 def test_option_errors(tiny_checkpoint, tiny_config, tiny_weights) -> None:
     with pytest.raises(DecoderBuildError, match="fp16"):
         DecoderBuilder(tiny_config, _options(tiny_checkpoint, precision="fp16")).build(tiny_weights[Component.DECODER])
-    for lora in ("routed", "none", "vision+speech"):
+    for lora in ("routed", "split", "none", "vision+speech"):
         with pytest.raises(DecoderBuildError, match="merge_lora"):
             decoder_variants(tiny_config, _options(tiny_checkpoint, lora=lora, merge=True))
     assert [v.filename for v in decoder_variants(tiny_config, _options(tiny_checkpoint, lora="speech"))] == [
@@ -390,7 +442,11 @@ def test_option_errors(tiny_checkpoint, tiny_config, tiny_weights) -> None:
 def test_runtime_settings(tiny_checkpoint, tiny_config) -> None:
     text = tiny_config.text
     cpu = DecoderBuilder.runtime_settings(tiny_config, _options(tiny_checkpoint))
-    assert cpu.filename == MAIN_DECODER and cpu.variants == dict(ROUTED_FILENAMES.items())
+    assert cpu.filename == MAIN_DECODER and cpu.variants == {"routed": MAIN_DECODER}
+    assert cpu.decoders_by_mode() == ("self", dict.fromkeys(("text", "vision", "speech"), MAIN_DECODER))
+    split = DecoderBuilder.runtime_settings(tiny_config, _options(tiny_checkpoint, lora="split"))
+    assert split.decoders_by_mode() == ("split", {"text": SPLIT_FILENAMES["none"], "vision": MAIN_DECODER,
+                                                  "speech": SPLIT_FILENAMES["speech"]})
     assert cpu.past_present_share_buffer and cpu.attention_op == "GroupQueryAttention"
     assert cpu.provider_options == () and not cpu.has_position_ids
     assert (cpu.context_length, cpu.head_size, cpu.num_key_value_heads, cpu.num_hidden_layers, cpu.vocab_size) == (

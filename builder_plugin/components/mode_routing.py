@@ -1,0 +1,283 @@
+"""Self-routing text decoder: one graph that applies the LoRA adapter of the conversation's input mode.
+
+onnxruntime-genai cannot switch adapters for phi4mm, and it feeds a decoder nothing that names the input mode. What it
+does feed, to a decoder that declares it, is ``input_ids``: the prompt with one image (200010) or audio (200011)
+placeholder id per feature row, then the new ids of each step. The graph reads the mode from those ids and keeps it
+across steps in one extra KV-cache "layer", which the runtime allocates, carries and rewinds like every other layer:
+
+- each call writes, for each of its positions, a value row whose first two channels say "this call holds an image
+  placeholder" / "an audio placeholder" (FLAG, else 0);
+- a GroupQueryAttention with zero queries over that layer averages the value rows of every position so far (softmax of
+  equal scores), so a channel is positive exactly when some call of the conversation set it.
+
+The mode is then the original model's rule for the whole conversation: any image -> vision LoRA (also with audio),
+else any audio -> speech LoRA, else no LoRA. The LoRA branches, built as separate MatMuls next to the base MatMul,
+move into ``If`` nodes: ``If(vision){base + vision LoRA} else If(speech){base + speech LoRA} else {base}``. The base
+MatMuls stay in the main graph, so every base weight has one kernel (prepacked once), and a mode computes only its own
+adapter.
+
+Limit: with ``search.chunk_size`` (chunked prefill) a chunk is routed by the placeholders seen up to that chunk, so
+media must start in the first chunk; the package does not set chunk_size.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_ir as ir
+
+from builder_plugin.components.spec import TensorSpec
+
+IMAGE_TOKEN_ID = 200010  # the placeholder ids the runtime's phi4mm processor expands (fixed in onnxruntime-genai)
+AUDIO_TOKEN_ID = 200011
+FLAG = 1024.0  # large enough that flag / context_length stays a normal fp16 number
+MS_DOMAIN = "com.microsoft"
+MODE_INPUT = "input_ids"
+ROUTED_ADAPTERS = ("vision", "speech")  # If order: vision first, as an image wins over audio
+
+_LORA_A = re.compile(r"^(?P<owner>.*)/lora_A\.(?P<adapter>\w+)/MatMul$")
+
+
+@dataclass(frozen=True)
+class ModeState:
+    """Names of the extra KV layer that carries the mode (layer index = the model's layer count)."""
+
+    layer: int
+
+    @property
+    def past_key(self) -> str:
+        return f"past_key_values.{self.layer}.key"
+
+    @property
+    def past_value(self) -> str:
+        return f"past_key_values.{self.layer}.value"
+
+    @property
+    def present_key(self) -> str:
+        return f"present.{self.layer}.key"
+
+    @property
+    def present_value(self) -> str:
+        return f"present.{self.layer}.value"
+
+
+def mode_io(num_layers: int, io_dtype: str, kv_heads: int) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """Extra graph inputs and outputs of a self-routing decoder (appended to the decoder's own I/O spec)."""
+    state = ModeState(num_layers)
+    past = ("batch_size", kv_heads, "past_sequence_length", "kv_cache_dim")
+    present = ("batch_size", kv_heads, "total_sequence_length", "kv_cache_dim")
+    inputs = [TensorSpec(MODE_INPUT, "int64", ("batch_size", "sequence_length")),
+              TensorSpec(state.past_key, io_dtype, past), TensorSpec(state.past_value, io_dtype, past)]
+    outputs = [TensorSpec(state.present_key, io_dtype, present), TensorSpec(state.present_value, io_dtype, present)]
+    return inputs, outputs
+
+
+class _Emitter:
+    """Appends nodes to a graph with unique names under one prefix."""
+
+    def __init__(self, graph: ir.Graph, prefix: str) -> None:
+        self.graph = graph
+        self.prefix = prefix
+        self.count = 0
+
+    def __call__(self, op: str, inputs: list[ir.Value | None], domain: str = "", **attributes: object) -> ir.Value:
+        self.count += 1
+        node = ir.node(op, inputs, attributes=attributes or None, domain=domain,
+                       name=f"{self.prefix}/{op}_{self.count}", num_outputs=1)
+        node.outputs[0].name = f"{node.name}/output_0"
+        self.graph.append(node)
+        return node.outputs[0]
+
+    def const(self, array: np.ndarray, name: str) -> ir.Value:
+        return self("Constant", [], value=ir.tensor(array, name=f"{self.prefix}/{name}"))
+
+
+def add_mode_state(model: ir.Model, num_layers: int, kv_heads: int, head_size: int) -> tuple[ir.Value, ir.Value]:
+    """Add ``input_ids`` and the mode KV layer to a decoder graph; returns the (is_vision, is_speech) booleans."""
+    graph = model.graph
+    first_past = graph.inputs[[v.name for v in graph.inputs].index("past_key_values.0.key")]
+    first_present = next(v for v in graph.outputs if v.name == "present.0.key")
+    gqa = next(n for n in graph if n.op_type == "GroupQueryAttention")
+    seqlens_k, total_length = gqa.inputs[5], gqa.inputs[6]
+    embeds = next(v for v in graph.inputs if v.name == "inputs_embeds")
+    dtype = first_past.dtype
+    np_dtype = dtype.numpy()
+    state = ModeState(num_layers)
+
+    ids = ir.Value(name=MODE_INPUT, shape=ir.Shape(["batch_size", "sequence_length"]),
+                   type=ir.TensorType(ir.DataType.INT64))
+    past = {name: ir.Value(name=name, shape=first_past.shape, type=first_past.type)
+            for name in (state.past_key, state.past_value)}
+    graph.inputs.extend([ids, *past.values()])
+
+    emit = _Emitter(graph, "/model/mode")
+    width = kv_heads * head_size
+    seen = []
+    for token in (IMAGE_TOKEN_ID, AUDIO_TOKEN_ID):
+        hit = emit("Cast", [emit("Equal", [ids, emit.const(np.array(token, np.int64), f"token_{token}")])],
+                   to=ir.DataType.FLOAT)
+        seen.append(emit("ReduceMax", [hit], keepdims=0))  # over the whole call: 1.0 if the placeholder occurs
+    flags = emit("Mul", [emit("Concat", [emit("Unsqueeze", [f, emit.const(np.array([0], np.int64), "axis0")])
+                                          for f in seen], axis=0),
+                         emit.const(np.array(FLAG, np.float32), "flag")])
+    row = emit("Concat", [flags, emit.const(np.zeros(width - 2, np.float32), "zeros")], axis=0)  # [width]
+    rows_shape = emit("Concat", [emit("Slice", [emit("Shape", [embeds]), emit.const(np.array([0], np.int64), "s0"),
+                                                emit.const(np.array([2], np.int64), "s2")]),
+                                 emit.const(np.array([width], np.int64), "width")], axis=0)  # [batch, seq, width]
+    value = emit("Cast", [emit("Expand", [row, rows_shape])], to=dtype)
+    zeros = emit("ConstantOfShape", [rows_shape], value=ir.tensor(np.zeros(1, np_dtype)))
+    attention = ir.node(
+        "GroupQueryAttention", [zeros, zeros, value, past[state.past_key], past[state.past_value], seqlens_k,
+                                total_length],
+        attributes={"num_heads": kv_heads, "kv_num_heads": kv_heads, "scale": 1.0, "do_rotary": 0},
+        domain=MS_DOMAIN, name="/model/mode/GroupQueryAttention", num_outputs=3)
+    graph.append(attention)
+    averaged, present_key, present_value = attention.outputs
+    averaged.name = "/model/mode/GroupQueryAttention/output_0"
+    for out, name in ((present_key, state.present_key), (present_value, state.present_value)):
+        out.name = name
+        out.shape = first_present.shape
+        out.type = first_present.type
+        graph.outputs.append(out)
+
+    # Position 0 of this call has attended to every earlier position and to this call's own flags.
+    first = emit("Gather", [emit("Gather", [averaged, emit.const(np.array(0, np.int64), "i0")], axis=1),
+                            emit.const(np.array(0, np.int64), "b0")], axis=0)  # [width]
+    first = emit("Cast", [first], to=ir.DataType.FLOAT)
+    zero = emit.const(np.array(0.0, np.float32), "zero")
+    image_seen = emit("Greater", [emit("Gather", [first, emit.const(np.array(0, np.int64), "c0")], axis=0), zero])
+    audio_seen = emit("Greater", [emit("Gather", [first, emit.const(np.array(1, np.int64), "c1")], axis=0), zero])
+    is_speech = emit("And", [emit("Not", [image_seen]), audio_seen])
+    image_seen.name = "/model/mode/is_vision"
+    is_speech.name = "/model/mode/is_speech"
+    model.opset_imports.setdefault(MS_DOMAIN, 1)
+    return image_seen, is_speech
+
+
+@dataclass
+class _Site:
+    """One projection output with LoRA: the base MatMul's output and, per adapter, its B MatMul and Add."""
+
+    base: ir.Value
+    out: ir.Value  # the value after the last LoRA Add: what the rest of the graph reads
+    b_nodes: dict[str, ir.Node]
+    add_nodes: dict[str, ir.Node]
+
+
+def route_lora_branches(model: ir.Model, is_vision: ir.Value, is_speech: ir.Value) -> int:
+    """Move every LoRA branch (A MatMul -> B MatMuls -> Adds, one set per adapter) into If nodes selected by the mode;
+    returns the number of If nodes made. The graph must hold exactly the adapters in ROUTED_ADAPTERS."""
+    graph = model.graph
+    groups: dict[str, dict[str, ir.Node]] = defaultdict(dict)  # owner -> adapter -> A node
+    for node in graph:
+        match = _LORA_A.match(node.name or "")
+        if match:
+            groups[match["owner"]][match["adapter"]] = node
+    routed = 0
+    for owner, a_nodes in groups.items():
+        if set(a_nodes) != set(ROUTED_ADAPTERS):
+            raise ValueError(f"{owner}: LoRA adapters {sorted(a_nodes)}, expected {list(ROUTED_ADAPTERS)}")
+        sites = _sites(a_nodes)
+        outputs = _route_group(graph, owner, a_nodes, sites, is_vision, is_speech)
+        for site, new in zip(sites, outputs):
+            ir.convenience.replace_all_uses_with(site.out, new)
+            if site.out.is_graph_output():
+                raise ValueError(f"{owner}: a LoRA output is a graph output")
+        graph.remove([*a_nodes.values(), *(n for s in sites for n in (*s.b_nodes.values(), *s.add_nodes.values()))],
+                     safe=True)
+        routed += 2
+    graph.sort()
+    return routed
+
+
+def _sites(a_nodes: dict[str, ir.Node]) -> list[_Site]:
+    """The projections fed by one owner's A MatMuls, in a stable order, each with its B and Add per adapter."""
+    by_base: dict[int, _Site] = {}
+    order: list[int] = []
+    for adapter in ROUTED_ADAPTERS:
+        for b_node in [use.node for use in a_nodes[adapter].outputs[0].uses()]:
+            (add_use,) = list(b_node.outputs[0].uses())
+            add = add_use.node
+            prior = add.inputs[1 - add_use.idx]
+            base = prior
+            while base.producer() is not None and base.producer().op_type == "Add" and "/lora." in base.producer().name:
+                base = next(i for i in base.producer().inputs if i.producer() is None
+                            or "/lora_B." not in (i.producer().name or ""))
+            key = id(base)
+            if key not in by_base:
+                by_base[key] = _Site(base, add.outputs[0], {}, {})
+                order.append(key)
+            site = by_base[key]
+            site.b_nodes[adapter] = b_node
+            site.add_nodes[adapter] = add
+    for site in by_base.values():
+        site.out = _last_add(site)
+    return [by_base[k] for k in order]
+
+
+def _last_add(site: _Site) -> ir.Value:
+    """The Add output no other LoRA Add of the site reads."""
+    adds = set(site.add_nodes.values())
+    for add in adds:
+        if not any(use.node in adds for use in add.outputs[0].uses()):
+            return add.outputs[0]
+    raise ValueError("LoRA Adds form a cycle")
+
+
+def _route_group(graph: ir.Graph, owner: str, a_nodes: dict[str, ir.Node], sites: list[_Site],
+                 is_vision: ir.Value, is_speech: ir.Value) -> list[ir.Value]:
+    branches = {adapter: _adapter_branch(owner, adapter, a_nodes[adapter], sites) for adapter in ROUTED_ADAPTERS}
+    identity_nodes = [ir.node("Identity", [s.base], name=f"{owner}/lora.none/Identity_{i}", num_outputs=1)
+                      for i, s in enumerate(sites)]
+    for node in identity_nodes:
+        node.outputs[0].name = f"{node.name}/output_0"
+    no_lora = ir.Graph([], [n.outputs[0] for n in identity_nodes], nodes=identity_nodes, name=f"{owner}/lora.none")
+    speech_if = _if_node(f"{owner}/lora.speech/If", is_speech, branches["speech"], no_lora, sites)
+    speech_graph = ir.Graph([], list(speech_if.outputs), nodes=[speech_if], name=f"{owner}/lora.speech_or_none")
+    vision_if = _if_node(f"{owner}/lora.vision/If", is_vision, branches["vision"], speech_graph, sites)
+    graph.append(vision_if)
+    return list(vision_if.outputs)
+
+
+def _if_node(name: str, cond: ir.Value, then_graph: ir.Graph, else_graph: ir.Graph, sites: list[_Site]) -> ir.Node:
+    node = ir.node("If", [cond], attributes={"then_branch": then_graph, "else_branch": else_graph}, name=name,
+                   num_outputs=len(sites))
+    for i, (out, site) in enumerate(zip(node.outputs, sites)):
+        out.name = f"{name}/output_{i}"
+        out.shape = site.out.shape
+        out.type = site.out.type
+    return node
+
+
+def _adapter_branch(owner: str, adapter: str, a_node: ir.Node, sites: list[_Site]) -> ir.Graph:
+    """A branch graph computing base + LoRA for every site of the group.
+
+    The adapter weights stay main-graph initializers read from the branch (outer scope): onnxruntime then prepacks
+    them once and frees the raw copy, which it does not do for initializers held inside a branch graph (the branch
+    form cost ~0.8 GB more resident memory at full size, int4 CPU)."""
+    nodes: list[ir.Node] = []
+
+    def clone(node: ir.Node, inputs: list[ir.Value]) -> ir.Node:
+        copy = ir.node(node.op_type, inputs, attributes=dict(node.attributes), domain=node.domain,
+                       name=node.name, num_outputs=1)
+        copy.outputs[0].name = node.outputs[0].name
+        copy.outputs[0].shape = node.outputs[0].shape
+        copy.outputs[0].type = node.outputs[0].type
+        nodes.append(copy)
+        return copy
+
+    a_copy = clone(a_node, [a_node.inputs[0], a_node.inputs[1]])
+    outputs = []
+    for site in sites:
+        b_node = site.b_nodes[adapter]
+        b_copy = clone(b_node, [a_copy.outputs[0], b_node.inputs[1]])
+        add = ir.node("Add", [site.base, b_copy.outputs[0]], name=site.add_nodes[adapter].name, num_outputs=1)
+        add.outputs[0].name = f"{add.name}/output_0"
+        add.outputs[0].shape = site.out.shape
+        add.outputs[0].type = site.out.type
+        nodes.append(add)
+        outputs.append(add.outputs[0])
+    return ir.Graph([], outputs, nodes=nodes, name=f"{owner}/lora.{adapter}")

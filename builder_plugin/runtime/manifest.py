@@ -1,0 +1,65 @@
+"""``manifest.json``: what the build knows and an app needs to run the package right, recorded in the package.
+
+- ``decoders``: the decoder file that answers each input mode (``text``, ``vision`` for any image, ``speech`` for
+  audio without images). A routed package names one self-routing decoder for all three; a split one three files.
+- ``routing``: ``self`` (one decoder picks its LoRA from the prompt), ``split`` (one decoder file per mode) or
+  ``fixed`` (one decoder, one LoRA choice for every mode).
+- ``original_max_position_embeddings``: where LongRoPE switches from the short to the long factors. The original model
+  recomputes the whole cache once when a generation grows past it; the runtime does not do so for phi4mm, so
+  `builder_plugin.runtime.Chat` does.
+
+Packages without the file (older builds) are read from their files: the split layout by its decoder names, anything
+else as one fixed decoder, and no LongRoPE recompute.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+MANIFEST_FILE = "manifest.json"
+FORMAT_VERSION = 1
+MODES = ("text", "vision", "speech")
+ROUTINGS = ("self", "split", "fixed")
+SPLIT_DECODERS = {"text": "phi-4-mm-text-base.onnx", "vision": "phi-4-mm-text.onnx",
+                  "speech": "phi-4-mm-text-speech.onnx"}
+
+
+@dataclass(frozen=True)
+class Manifest:
+    decoders: dict[str, str]  # input mode -> decoder file
+    routing: str
+    original_max_position_embeddings: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": FORMAT_VERSION, "routing": self.routing, "decoders": dict(self.decoders),
+                "original_max_position_embeddings": self.original_max_position_embeddings}
+
+    def write(self, folder: Path) -> Path:
+        path = Path(folder) / MANIFEST_FILE
+        path.write_text(json.dumps(self.to_json(), indent=2) + "\n", encoding="utf-8")
+        return path
+
+    @classmethod
+    def read(cls, folder: Path, main_decoder: str) -> Manifest:
+        """The package's manifest, or one inferred from its files; ValueError for a malformed file."""
+        path = Path(folder) / MANIFEST_FILE
+        if not path.is_file():
+            if all((Path(folder) / name).is_file() for name in SPLIT_DECODERS.values()):
+                return cls(dict(SPLIT_DECODERS), "split")
+            return cls(dict.fromkeys(MODES, main_decoder), "fixed")
+        data = json.loads(path.read_text(encoding="utf-8"))
+        decoders = data.get("decoders")
+        if not isinstance(decoders, dict) or set(decoders) != set(MODES):
+            raise ValueError(f"{MANIFEST_FILE}: 'decoders' must name a file for each of {', '.join(MODES)}")
+        if data.get("routing") not in ROUTINGS:
+            raise ValueError(f"{MANIFEST_FILE}: 'routing' must be one of {', '.join(ROUTINGS)}")
+        switch = data.get("original_max_position_embeddings")
+        return cls({m: str(decoders[m]) for m in MODES}, data["routing"], int(switch) if switch else None)
+
+
+def mode_of(has_image: bool, has_audio: bool) -> str:
+    """The input mode of a conversation: any image -> vision (also with audio), else audio -> speech, else text."""
+    return "vision" if has_image else "speech" if has_audio else "text"

@@ -1,5 +1,6 @@
 """Shared fixtures: one tiny generated checkpoint per test session (original and native layouts), its config, routed
-weights, reference, media, and one built fp32 CPU package of each layout."""
+weights, reference, media, and built fp32 CPU packages: the default (one self-routing decoder) of each layout and a
+split one (a decoder file per input mode)."""
 
 from __future__ import annotations
 
@@ -15,19 +16,21 @@ TINY_SEED = 0
 # search.max_length of the shared packages: a short KV cache keeps every generator cheap.
 TINY_PACKAGE_MAX_LENGTH = 4096
 
-_BUILT_PACKAGES: dict[Path, Path] = {}
+_BUILT_PACKAGES: dict[tuple[Path, str], Path] = {}
 
 
-def build_tiny_package(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Path:
-    """The fp32 CPU package of `checkpoint` (default --lora routed: three decoder variants), built once per session."""
-    if checkpoint not in _BUILT_PACKAGES:
+def build_tiny_package(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path, lora: str = "routed") -> Path:
+    """The fp32 CPU package of `checkpoint` (default --lora routed: one self-routing decoder), built once per
+    session."""
+    if (checkpoint, lora) not in _BUILT_PACKAGES:
         from builder_plugin.build import build
         from builder_plugin.options import BuildOptions
 
-        options = BuildOptions(model_dir=checkpoint, output_dir=tmp_path_factory.mktemp("package") / checkpoint.name,
-                               precision="fp32", execution_provider="cpu", max_length=TINY_PACKAGE_MAX_LENGTH)
-        _BUILT_PACKAGES[checkpoint] = build(options, progress=False).output_dir
-    return _BUILT_PACKAGES[checkpoint]
+        output = tmp_path_factory.mktemp("package") / f"{checkpoint.name}-{lora}"
+        options = BuildOptions(model_dir=checkpoint, output_dir=output, precision="fp32", execution_provider="cpu",
+                               max_length=TINY_PACKAGE_MAX_LENGTH, lora=lora)
+        _BUILT_PACKAGES[checkpoint, lora] = build(options, progress=False).output_dir
+    return _BUILT_PACKAGES[checkpoint, lora]
 
 
 @pytest.fixture(scope="session")
@@ -87,6 +90,12 @@ def native_reference(tiny_native_checkpoint: Path):
 def tiny_package(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -> Path:
     """fp32 CPU package of `tiny_checkpoint` (routed LoRA)."""
     return build_tiny_package(tmp_path_factory, tiny_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def tiny_split_package(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -> Path:
+    """fp32 CPU package of `tiny_checkpoint` with one decoder file per input mode (--lora split)."""
+    return build_tiny_package(tmp_path_factory, tiny_checkpoint, lora="split")
 
 
 @pytest.fixture(scope="session")

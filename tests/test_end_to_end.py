@@ -2,7 +2,7 @@
 onnxruntime-genai's og.Generator for every input mode, against the PyTorch reference (transformers' native model with
 the LoRA and audio projection of the mode), fed the very same processor tensors.
 
-For each mode: the decoder variant the runtime picks, the first-step logits (prefill, last position) and >= 16 greedy
+For each mode: the decoder the runtime picks (the one self-routing decoder), the first-step logits (prefill, last position) and >= 16 greedy
 tokens. A token may differ only where the reference's top-2 logits are a near-tie; the sequences may then
 legitimately diverge, so the comparison stops there.
 """
@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime_genai as og
 import pytest
 
-from builder_plugin.runtime import VARIANT_FILES, Chat, Generation, Turn, build_prompt
+from builder_plugin.runtime import Chat, Generation, Turn, build_prompt
 from builder_plugin.testing.reference import GreedyResult, Reference
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,7 +55,7 @@ def build_with_cli(checkpoint: Path, output: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def original_chat(tmp_path_factory, tiny_checkpoint) -> Chat:
-    """A Chat on the CLI-built package; it loads one og.Model per decoder variant, on first use, and keeps it."""
+    """A Chat on the CLI-built package: one og.Model answers every input mode."""
     return Chat(build_with_cli(tiny_checkpoint, tmp_path_factory.mktemp("e2e") / "tiny-fp32-cpu"))
 
 
@@ -111,13 +111,13 @@ def test_generator_matches_reference(request, media_dir, layout, case):
     prompt = build_prompt([Turn(QUESTION, tuple(images), tuple(audios))])
     generation = chat.generate(prompt, images, audios, max_new_tokens=NEW_TOKENS)
 
-    # The processor saw every file, and the decoder variant is the one of the input mode.
+    # The processor saw every file, and the one decoder answered (its LoRA follows the mode: checked below).
     inputs = generation.inputs
     assert inputs["input_ids"].shape[0] == 1
     assert (inputs["pixel_values"].shape[0] if "pixel_values" in inputs else 0) == len(images)
     assert (inputs["audio_embeds"].shape[0] if "audio_embeds" in inputs else 0) == len(audios)
     mode = Reference.mode_for(bool(images), bool(audios))
-    assert generation.variant == VARIANT_FILES[mode]
+    assert generation.variant == "phi-4-mm-text.onnx" and chat.manifest.routing == "self"
     assert len(generation.tokens) == NEW_TOKENS
 
     expected = reference.prefill_and_greedy(inputs, max_new_tokens=NEW_TOKENS)

@@ -669,12 +669,15 @@ class Reference:
         max_new_tokens: int,
         lora: str | None = None,
         eos_token_ids: Iterable[int] | None = None,
+        recompute_at_switch: bool = False,
     ) -> GreedyResult:
         """Greedy generation from the tensors onnxruntime-genai's MultiModalProcessor produces.
 
         The LoRA (unless given) and the audio projection follow the input mode as in the original model. Decoding
         runs exactly ``max_new_tokens`` steps unless ``eos_token_ids`` is given, in which case it stops after the
-        first of them is emitted.
+        first of them is emitted. With ``recompute_at_switch`` the loop behaves like the original model's
+        generation: when the sequence first reaches ``original_max_position_embeddings + 1`` tokens on a cache of at
+        most that many, the cache is dropped and every position runs again (with the long LongRoPE factors).
         """
         if max_new_tokens < 1:
             raise ReferenceModelError("max_new_tokens must be at least 1")
@@ -713,6 +716,7 @@ class Reference:
         chosen = lora if lora is not None else self.lora_for_mode(self.mode_for(has_image, has_audio))
         self.set_lora(chosen)
         stop = {int(t) for t in eos_token_ids} if eos_token_ids is not None else set()
+        switch = self.config.original_max_position_embeddings
         cache = DynamicCache(config=self.config)
         step_logits = [self._step(embeds, cache)]
         tokens: list[int] = []
@@ -721,6 +725,12 @@ class Reference:
             tokens.append(token)
             if len(tokens) >= max_new_tokens or token in stop:
                 break
+            length = embeds.shape[1] + len(tokens)
+            if recompute_at_switch and length >= switch + 1 and cache.get_seq_length() <= switch:
+                cache = DynamicCache(config=self.config)
+                generated = torch.cat([self._token_embedding(t) for t in tokens], dim=1)
+                step_logits.append(self._step(torch.cat([embeds, generated], dim=1), cache))
+                continue
             step_logits.append(self._step(self._token_embedding(token), cache))
         return GreedyResult(
             tokens=tokens,

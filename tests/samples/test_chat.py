@@ -126,7 +126,7 @@ def test_interactive_chat(package, media_dir):
         terminal.expect(r"> ")
         terminal.send("Hello, who are you?")
         stats = terminal.expect(STATS.pattern)
-        assert int(stats[1]) == 4 and stats[3] == "phi-4-mm-text-base.onnx"
+        assert int(stats[1]) == 4 and stats[3] == "phi-4-mm-text.onnx"
 
         terminal.expect(r"> ")
         terminal.send(f"/image {media_dir / 'square.png'}")

@@ -1,0 +1,480 @@
+"""One conversation with a built package through onnxruntime-genai: streamed answers, images, audio, follow-ups.
+
+- One ``og.Model`` answers every input mode of a routed package: its decoder picks the LoRA adapter of the
+  conversation from the prompt itself, so vision, speech, embedding and decoder sessions are loaded once. A split
+  package (``--lora split``) has one decoder file per mode and gets one ``og.Model`` per mode used, each with its own
+  sessions; ``manifest.json`` in the package says which file answers which mode.
+- Follow-up questions: the generator that answered is kept with its KV cache. A question that brings no new image or
+  audio (so the mode cannot change) only prefills its own tokens: they are appended to the conversation's token ids,
+  which are the prompt's ids followed by the generated ids (answers are never re-tokenised). A question with new media,
+  other sampling options, or a conversation changed by ``restore``/``clear`` starts a new generator over the whole
+  conversation, as the runtime requires for new media.
+- Generators are sized to the conversation plus ``follow_up_room`` tokens, not to ``max_length``: the runtime
+  allocates (and zero-fills) the KV cache for its whole length up front, 256 KiB per token for the real model in fp32.
+  A follow-up that does not fit restarts from the conversation's token ids in a larger generator.
+- LongRoPE: the first time the sequence grows past ``original_max_position_embeddings`` (from the package manifest)
+  the whole cache is recomputed with the long factors, once per conversation, as the original model's generation
+  does; the runtime does not do this for phi4mm. It costs one prefill of that many tokens (media encoded again).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnxruntime_genai as og
+
+from builder_plugin.runtime.errors import ChatError, PackageError, PromptTooLongError, UnsupportedMediaError, first_line
+from builder_plugin.runtime.manifest import Manifest, mode_of
+from builder_plugin.runtime.media import check_audio, check_image, decoder_reason
+from builder_plugin.runtime.prompt import END, Turn, build_prompt, user_content, user_turn
+
+GENAI_CONFIG_FILE = "genai_config.json"
+FOLLOW_UP_ROOM = 1024  # tokens of KV cache kept free for follow-up questions beyond the answer's max_new_tokens
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Search options of one answer; the default (all None) is greedy search."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+
+    def search_options(self) -> dict[str, Any]:
+        if self.temperature is None and self.top_p is None and self.top_k is None:
+            return {"do_sample": False}
+        if self.temperature is not None and self.temperature <= 0:
+            return {"do_sample": False}  # temperature 0 means greedy, as in the OpenAI API
+        options: dict[str, Any] = {"do_sample": True}
+        if self.temperature is not None:
+            options["temperature"] = float(self.temperature)
+        if self.top_p is not None:
+            options["top_p"] = float(self.top_p)
+        if self.top_k is not None:
+            options["top_k"] = int(self.top_k)
+        if self.seed is not None:
+            options["random_seed"] = int(self.seed)
+        return options
+
+
+@dataclass(frozen=True)
+class Stats:
+    prompt_tokens: int  # the conversation before the answer, after the runtime expanded image and audio placeholders
+    new_tokens: int
+    time_to_first_token_s: float  # question to first new token: preprocessing, encoders, prefill (not model loading)
+    tokens_per_s: float  # decode speed after the first token (0 when only one token was made)
+    variant: str  # decoder file that answered
+    total_s: float = 0.0
+    finish_reason: str = "length"  # "stop": an end-of-sequence token ended the answer; "length": the token limit
+    prefill_tokens: int = 0  # tokens computed before the first new token (the question's own on a follow-up)
+    reused_tokens: int = 0  # tokens of the conversation already in the kept generator's cache
+    recomputed: bool = False  # the LongRoPE switch recomputed the whole cache during this answer
+
+
+@dataclass
+class Generation:
+    """One raw generation, for tests: what the processor fed the graphs and the ids the generator produced."""
+
+    inputs: dict[str, np.ndarray]  # processor tensors (int64 ones as np.int64)
+    tokens: list[int]  # new token ids, in order (the final eos included when one was produced)
+    text: str
+    variant: str
+    stats: Stats | None = None
+
+
+@dataclass
+class _Loaded:
+    model: Any  # og.Model
+    processor: Any  # og.MultiModalProcessor
+    tokenizer: Any  # og.Tokenizer
+
+
+@dataclass
+class _Live:
+    """A generator and what it holds: the processor tensors it started from (media), its length, its options."""
+
+    variant: str
+    loaded: _Loaded
+    generator: Any  # og.Generator
+    inputs: Any  # og.NamedTensors of the prompt it was started from
+    max_length: int
+    sampling: Sampling
+    long_factors: bool  # its last step ran past the LongRoPE switch (so every cached key has the long factors)
+    turns: list[Turn] = field(default_factory=list)  # the answered turns it holds (Chat conversations)
+
+    def token_ids(self) -> list[int]:
+        return [int(t) for t in self.generator.get_sequence(0)]
+
+
+@dataclass
+class _Request:
+    variant: str
+    loaded: _Loaded
+    started: float
+    sampling: Sampling
+    max_length: int  # of a new generator
+    prompt_tokens: int
+    inputs: Any = None  # processor tensors for a new generator
+    append: list[int] | None = None  # ids to append to the kept generator instead
+
+
+class Chat:
+    """A conversation with a built package. ``ask`` streams the answer and records the turn."""
+
+    def __init__(self, package_dir: str | Path, max_length: int | None = None,
+                 execution_provider: str | None = None, system: str | None = None,
+                 follow_up_room: int = FOLLOW_UP_ROOM) -> None:
+        self.package_dir = Path(package_dir).expanduser()
+        self.execution_provider = execution_provider
+        self.system = system
+        self.follow_up_room = follow_up_room
+        self.turns: list[Turn] = []
+        self.last_stats: Stats | None = None
+        # Off by default: when True, the last-position logits each new token was chosen from ([vocab] float32 each)
+        self.keep_logits = False
+        self.last_logits: list[np.ndarray] = []
+        self._models: dict[str, _Loaded] = {}
+        self._live: _Live | None = None
+
+        config_path = self.package_dir / GENAI_CONFIG_FILE
+        if not self.package_dir.is_dir():
+            raise PackageError(f"package folder not found: {self.package_dir}")
+        if not config_path.is_file():
+            raise PackageError(f"not a model package (no {GENAI_CONFIG_FILE}): {self.package_dir}")
+        try:
+            self.genai_config = json.loads(config_path.read_text(encoding="utf-8"))
+            model = self.genai_config["model"]
+            self.main_decoder: str = model["decoder"]["filename"]
+            self.context_length = int(model["context_length"])
+            configured = int(self.genai_config.get("search", {}).get("max_length") or self.context_length)
+            self.manifest = Manifest.read(self.package_dir, self.main_decoder)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise PackageError(f"cannot read the package configuration in {self.package_dir}: {exc}") from exc
+        self.has_speech = bool(model.get("speech", {}).get("filename"))
+        if max_length is not None and not 0 < max_length <= self.context_length:
+            raise PackageError(f"max_length must be between 1 and the context length {self.context_length}")
+        self.max_length = max_length or configured
+        for name in sorted(set(self.manifest.decoders.values())):
+            if not (self.package_dir / name).is_file():
+                raise PackageError(f"decoder {name} is missing from {self.package_dir}")
+
+    # ---- variants and models -------------------------------------------------------------------------------------
+
+    @property
+    def routed(self) -> bool:
+        """The package answers each input mode with the LoRA of that mode (self-routing or split decoders)."""
+        return self.manifest.routing in ("self", "split")
+
+    def variant_for(self, has_image: bool, has_audio: bool) -> str:
+        """The decoder file for a conversation with (or without) images and audio."""
+        return self.manifest.decoders[mode_of(has_image, has_audio)]
+
+    def is_loaded(self, variant: str) -> bool:
+        return variant in self._models
+
+    def load(self, variant: str) -> None:
+        """Load a decoder variant now (it is otherwise loaded on its first question)."""
+        self._load(variant)
+
+    def next_variant(self, images: Sequence[object] = (), audios: Sequence[object] = ()) -> str:
+        """The variant that will answer the next question if it comes with these files."""
+        return self.variant_for(bool(images) or any(t.images for t in self.turns),
+                                bool(audios) or any(t.audios for t in self.turns))
+
+    def model(self, variant: str) -> Any:
+        """The og.Model of a decoder variant (loaded on first use and kept)."""
+        return self._load(variant).model
+
+    def _load(self, variant: str) -> _Loaded:
+        if variant not in self._models:
+            try:
+                config = og.Config(str(self.package_dir))
+                overlay: dict[str, Any] = {"search": {"max_length": self.max_length}}
+                if variant != self.main_decoder:
+                    overlay["model"] = {"decoder": {"filename": variant}}
+                config.overlay(json.dumps(overlay))
+                if self.execution_provider is not None:
+                    config.clear_providers()
+                    if self.execution_provider != "cpu":
+                        config.append_provider(self.execution_provider)
+                model = og.Model(config)
+                self._models[variant] = _Loaded(model, model.create_multimodal_processor(), og.Tokenizer(model))
+            except RuntimeError as exc:
+                raise PackageError(f"cannot load {self.package_dir / variant}: {first_line(exc)}") from exc
+        return self._models[variant]
+
+    # ---- conversation --------------------------------------------------------------------------------------------
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The conversation's token ids held by the kept generator (prompt ids, then generated and appended ids);
+        empty when no generator holds this conversation."""
+        live = self._live
+        return live.token_ids() if live is not None and live.turns == self.turns else []
+
+    def clear(self) -> None:
+        """Forget the conversation (loaded models are kept)."""
+        self.turns.clear()
+        self._drop_live()
+
+    def release(self) -> None:
+        """Free the kept generator and its KV cache; the conversation stays, and its next question is prefilled
+        whole (what an app may do while a conversation is idle)."""
+        self._drop_live()
+
+    def restore(self, turns: Sequence[Turn]) -> None:
+        """Make `turns` (answered questions) the conversation so far, as if they had been asked here; the next
+        question is answered after them. Restoring the conversation already held keeps its generator."""
+        turns = list(turns)
+        if any(t.assistant is None for t in turns):
+            raise ValueError("restored turns must all be answered")
+        if turns == self.turns:
+            return
+        self.turns = turns
+        self._drop_live()
+
+    def ask(self, text: str, images: Sequence[str | Path] = (), audios: Sequence[str | Path] = (),
+            max_new_tokens: int = 256, sampling: Sampling | None = None) -> Iterator[str]:
+        """Ask the next question; returns an iterator over the answer's text pieces as they are generated.
+
+        Files are checked, the prompt built and the inputs preprocessed before this returns (so every ChatError is
+        raised here); the turn is recorded, with the text generated so far, when the iterator ends or is closed."""
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        turn = Turn(text, tuple(check_image(p) for p in images), tuple(check_audio(p) for p in audios))
+        sampling = sampling or Sampling()
+        request = self._follow_up(turn, max_new_tokens, sampling)
+        if request is None:
+            conversation = [*self.turns, turn]
+            prompt = build_prompt(conversation, self.system)
+            request = self._prepare(prompt, [p for t in conversation for p in t.images],
+                                    [p for t in conversation for p in t.audios], max_new_tokens, sampling,
+                                    room=self.follow_up_room)
+        return self._answer(request, max_new_tokens, turn)
+
+    def _follow_up(self, turn: Turn, max_new_tokens: int, sampling: Sampling) -> _Request | None:
+        """A request that extends the kept generator (or restarts from its token ids), or None for a new prompt."""
+        live = self._live
+        if turn.images or turn.audios or live is None or live.turns != self.turns or live.sampling != sampling:
+            return None
+        started = time.perf_counter()
+        ids = live.token_ids()
+        tokenizer = live.loaded.tokenizer
+        prefix = "" if ids and ids[-1] == self._end_id(tokenizer) else END  # an answer cut short gets its end
+        new = [int(t) for t in tokenizer.encode(prefix + user_turn(user_content(turn)))]
+        total = len(ids) + len(new)
+        if total >= self.max_length:
+            raise PromptTooLongError(f"the conversation is {total} tokens but the maximum length is "
+                                     f"{self.max_length}; start over (clear) or raise max_length")
+        switch = self.manifest.original_max_position_embeddings
+        crosses = switch is not None and not live.long_factors and total > switch
+        if total + max_new_tokens <= live.max_length and not crosses:
+            return _Request(live.variant, live.loaded, started, sampling, live.max_length, total, append=new)
+        # Restart over the same ids: more room, or a prompt past the LongRoPE switch (all keys with long factors).
+        inputs = _with_ids(live.inputs, ids + new)
+        return _Request(live.variant, live.loaded, started, sampling, self._size(total, max_new_tokens), total,
+                        inputs=inputs)
+
+    def _answer(self, request: _Request, max_new_tokens: int, turn: Turn) -> Iterator[str]:
+        pieces: list[str] = []
+        try:
+            for _, piece in self._run(request, max_new_tokens, keep=True):
+                pieces.append(piece)
+                yield piece
+        except ChatError:
+            self._drop_live()
+            raise  # the model failed: nothing was said
+        except BaseException:
+            self._record(replace(turn, assistant="".join(pieces)))  # stopped early: keep what was said
+            raise
+        self._record(replace(turn, assistant="".join(pieces)))
+
+    def _record(self, turn: Turn) -> None:
+        self.turns.append(turn)
+        if self._live is not None:
+            self._live.turns = list(self.turns)
+
+    def _drop_live(self) -> None:
+        if self._live is not None:
+            self._live = None  # frees the generator's KV cache
+
+    # ---- raw generation ------------------------------------------------------------------------------------------
+
+    def generate(self, prompt: str, images: Sequence[str | Path] = (), audios: Sequence[str | Path] = (),
+                 max_new_tokens: int = 32, sampling: Sampling | None = None) -> Generation:
+        """Run one prompt as written (no chat template, no history): the processor tensors and the new token ids."""
+        if max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be at least 1")
+        request = self._prepare(prompt, [check_image(p) for p in images], [check_audio(p) for p in audios],
+                                max_new_tokens, sampling or Sampling(), room=0)
+        inputs = {}
+        for name in request.inputs.keys():
+            array = request.inputs[name].as_numpy()
+            inputs[name] = array.astype(np.int64) if array.dtype.kind == "i" and array.dtype.itemsize == 8 else array
+        tokens, pieces = [], []
+        for token, piece in self._run(request, max_new_tokens, keep=False):
+            tokens.append(token)
+            pieces.append(piece)
+        return Generation(inputs, tokens, "".join(pieces), request.variant, self.last_stats)
+
+    def _prepare(self, prompt: str, images: Sequence[Path], audios: Sequence[Path], max_new_tokens: int,
+                 sampling: Sampling, room: int) -> _Request:
+        if audios and not self.has_speech:
+            raise PackageError("this package has no speech model, so it cannot take audio")
+        variant = self.variant_for(bool(images), bool(audios))
+        loaded = self._load(variant)
+        started = time.perf_counter()
+        inputs = self._process(loaded, prompt, images, audios)
+        prompt_tokens = int(inputs["input_ids"].as_numpy().shape[-1])
+        if prompt_tokens >= self.max_length:
+            raise PromptTooLongError(f"the prompt is {prompt_tokens} tokens but the maximum length is "
+                                     f"{self.max_length}; start over (clear) or raise max_length")
+        return _Request(variant, loaded, started, sampling, self._size(prompt_tokens, max_new_tokens, room),
+                        prompt_tokens, inputs=inputs)
+
+    def _size(self, tokens: int, max_new_tokens: int, room: int | None = None) -> int:
+        room = self.follow_up_room if room is None else room
+        return min(self.max_length, tokens + max_new_tokens + room)
+
+    @staticmethod
+    def _process(loaded: _Loaded, prompt: str, images: Sequence[Path], audios: Sequence[Path]) -> Any:
+        def run(prompt: str, images: Sequence[Path], audios: Sequence[Path]) -> Any:
+            return loaded.processor(
+                prompt,
+                images=og.Images.open(*map(str, images)) if images else None,
+                audios=og.Audios.open(*map(str, audios)) if audios else None,
+            )
+
+        try:
+            return run(prompt, images, audios)
+        except RuntimeError as exc:
+            message = first_line(exc)
+        # Name the file the decoders rejected by trying each alone.
+        for kind, files in (("image", images), ("audio", audios)):
+            for path in files:
+                try:
+                    run(f"<|{kind}_1|>", [path] if kind == "image" else [], [path] if kind == "audio" else [])
+                except RuntimeError as exc:
+                    raise UnsupportedMediaError(f"cannot read {kind} {path}: {decoder_reason(first_line(exc))}") \
+                        from None
+        raise ChatError(f"the runtime rejected the prompt: {message}")
+
+    # ---- the generation loop -------------------------------------------------------------------------------------
+
+    def _start(self, request: _Request, inputs: Any) -> _Live:
+        """A new generator prefilled with `inputs`."""
+        loaded = request.loaded
+        params = og.GeneratorParams(loaded.model)
+        params.set_search_options(max_length=request.max_length, **request.sampling.search_options())
+        generator = og.Generator(loaded.model, params)
+        try:
+            generator.set_inputs(inputs)
+        except RuntimeError as exc:
+            raise ChatError(f"the model failed on the prompt ({request.variant}): {first_line(exc)}") from exc
+        tokens = int(generator.get_sequence(0).shape[-1])
+        switch = self.manifest.original_max_position_embeddings
+        return _Live(request.variant, loaded, generator, inputs, request.max_length, request.sampling,
+                     long_factors=switch is not None and tokens > switch)
+
+    def _extend(self, live: _Live, ids: list[int]) -> None:
+        """Prefill `ids` after the kept generator's sequence. Its last id was sampled but not yet run; it is run
+        with the new ids (the runtime's own append after a generated token does not match a prefill of the same
+        ids, so the sequence is rewound by that one id and the id appended again)."""
+        sequence = live.token_ids()
+        try:
+            live.generator.rewind_to(len(sequence) - 1)
+            live.generator.append_tokens(np.array([sequence[-1], *ids], dtype=np.int32))
+        except RuntimeError as exc:
+            raise ChatError(f"the model failed on the question ({live.variant}): {first_line(exc)}") from exc
+
+    def _run(self, request: _Request, max_new_tokens: int, keep: bool) -> Iterator[tuple[int, str]]:
+        reused = 0
+        if request.append is not None and self._live is not None:
+            live = self._live
+            reused = request.prompt_tokens - len(request.append) - 1  # the last kept id runs again with the new ones
+            self._extend(live, request.append)
+        else:
+            if keep:
+                self._drop_live()  # free the old cache before allocating the new one
+            live = self._start(request, request.inputs)
+            if keep:
+                self._live = live
+        tokenizer = live.loaded.tokenizer
+        stream = tokenizer.create_stream()
+        eos = {int(t) for t in tokenizer.eos_token_ids}
+        first = None
+        count = 0
+        finish = "length"
+        recomputed = False
+        self.last_logits = []
+        try:
+            while count < max_new_tokens and not live.generator.is_done():
+                if count and self._at_switch(live):
+                    self._recompute(live)
+                    recomputed = True
+                live.generator.generate_next_token()
+                token = int(live.generator.get_next_tokens()[0])
+                if self.keep_logits:
+                    logits = np.asarray(live.generator.get_output("logits"), np.float32)
+                    self.last_logits.append(logits.reshape(-1, logits.shape[-1])[-1].copy())
+                count += 1
+                if first is None:
+                    first = time.perf_counter()
+                if token in eos:
+                    finish = "stop"
+                    yield token, ""
+                    break
+                yield token, stream.decode(token)
+        finally:
+            end = time.perf_counter()
+            decode_s = end - first if first is not None else 0.0
+            self.last_stats = Stats(
+                prompt_tokens=request.prompt_tokens,
+                new_tokens=count,
+                time_to_first_token_s=(first if first is not None else end) - request.started,
+                tokens_per_s=(count - 1) / decode_s if count > 1 and decode_s > 0 else 0.0,
+                variant=request.variant,
+                total_s=end - request.started,
+                finish_reason=finish,
+                prefill_tokens=request.prompt_tokens - reused,
+                reused_tokens=reused,
+                recomputed=recomputed,
+            )
+
+    def _at_switch(self, live: _Live) -> bool:
+        """The next step would run the first position past the LongRoPE switch on a cache of short-factor keys."""
+        switch = self.manifest.original_max_position_embeddings
+        return switch is not None and not live.long_factors and int(live.generator.token_count()) > switch
+
+    def _recompute(self, live: _Live) -> None:
+        """Replace the generator by one prefilled with every id so far: each key gets the long factors."""
+        ids = live.token_ids()
+        request = _Request(live.variant, live.loaded, time.perf_counter(), live.sampling, live.max_length, len(ids))
+        fresh = self._start(request, _with_ids(live.inputs, ids))
+        live.generator, live.inputs, live.long_factors = fresh.generator, fresh.inputs, True
+
+    @staticmethod
+    def _end_id(tokenizer: Any) -> int:
+        (end,) = tokenizer.encode(END)
+        return int(end)
+
+
+def _with_ids(inputs: Any, ids: list[int]) -> Any:
+    """`inputs` with its input_ids replaced (media tensors kept: their placeholders are at the same positions)."""
+    inputs["input_ids"] = og.Tensor(np.array([ids], dtype=np.int32))
+    return inputs
+
+
+def generate(package_dir: str | Path, prompt: str, images: Sequence[str | Path] = (),
+             audios: Sequence[str | Path] = (), max_new_tokens: int = 32, max_length: int | None = None,
+             execution_provider: str | None = None) -> Generation:
+    """One raw generation with a fresh Chat (see Chat.generate)."""
+    chat = Chat(package_dir, max_length=max_length, execution_provider=execution_provider)
+    return chat.generate(prompt, images, audios, max_new_tokens)

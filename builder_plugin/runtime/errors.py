@@ -1,0 +1,32 @@
+"""Errors a user can fix, each with a one-line message."""
+
+from __future__ import annotations
+
+
+class ChatError(RuntimeError):
+    """A problem the user can fix, with a one-line message."""
+
+
+class PackageError(ChatError):
+    """The package folder cannot be loaded."""
+
+
+class MediaNotFoundError(ChatError):
+    """An image or audio file does not exist."""
+
+
+class UnsupportedMediaError(ChatError):
+    """An image or audio file is not in a format the runtime reads."""
+
+
+class TagMismatchError(ChatError):
+    """The ``<|image_N|>`` / ``<|audio_N|>`` tags of a question do not match its attached files."""
+
+
+class PromptTooLongError(ChatError):
+    """The conversation does not fit in the maximum length."""
+
+
+def first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -1,0 +1,85 @@
+"""The Phi-4 chat prompt: turns, media tags and their numbering across a conversation."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from builder_plugin.runtime.errors import TagMismatchError
+
+END = "<|end|>"  # end of a turn; also the end-of-sequence token that closes an answer
+_TAG = re.compile(r"<\|(image|audio)_(\d+)\|>")
+_PLACEHOLDER = re.compile(r"<\|endoftext1[01]\|>")
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One question with its attached files and, once answered, the answer."""
+
+    user: str
+    images: tuple[Path, ...] = ()
+    audios: tuple[Path, ...] = ()
+    assistant: str | None = None
+
+
+def check_tags(text: str, num_images: int, num_audios: int) -> None:
+    """Raise TagMismatchError unless the tags written in `text` fit the attached files.
+
+    A question may leave the tags out (they are then put before the text) or place them itself; tags of a kind must
+    then be numbered 1..n in order, n being the number of files of that kind attached to this question."""
+    if _PLACEHOLDER.search(text):
+        raise TagMismatchError("write media tags as <|image_N|> / <|audio_N|>, not as <|endoftext10|> / "
+                               "<|endoftext11|>")
+    for kind, count in (("image", num_images), ("audio", num_audios)):
+        numbers = [int(n) for k, n in _TAG.findall(text) if k == kind]
+        if not numbers:
+            continue
+        if len(numbers) != count:
+            written = " ".join(f"<|{kind}_{n}|>" for n in numbers)
+            noun = {"image": "image", "audio": "audio clip"}[kind]
+            attached = f"no {noun} is" if count == 0 else f"1 {noun} is" if count == 1 else f"{count} {noun}s are"
+            raise TagMismatchError(f"the question has {len(numbers)} {kind} tag{'s' if len(numbers) != 1 else ''} "
+                                   f"({written}) but {attached} attached")
+        if numbers != list(range(1, count + 1)):
+            expected = " ".join(f"<|{kind}_{n}|>" for n in range(1, count + 1))
+            raise TagMismatchError(f"{kind} tags must be {expected} in this order (one per attached file)")
+
+
+def user_content(turn: Turn, first_image: int = 1, first_audio: int = 1) -> str:
+    """The user text of `turn` with its media tags numbered from `first_image` / `first_audio` (tags count across the
+    whole conversation; the runtime takes files in order of appearance)."""
+    check_tags(turn.user, len(turn.images), len(turn.audios))
+    text = turn.user
+    offsets = {"image": first_image - 1, "audio": first_audio - 1}
+    text = _TAG.sub(lambda m: f"<|{m[1]}_{int(m[2]) + offsets[m[1]]}|>", text)
+    written = {kind for kind, _ in _TAG.findall(turn.user)}
+    prefix = ""
+    if "image" not in written:
+        prefix += "".join(f"<|image_{first_image + i}|>" for i in range(len(turn.images)))
+    if "audio" not in written:
+        prefix += "".join(f"<|audio_{first_audio + i}|>" for i in range(len(turn.audios)))
+    return prefix + text
+
+
+def build_prompt(turns: Sequence[Turn | str], system: str | None = None) -> str:
+    """The Phi-4 chat prompt: ``<|system|>…<|end|>`` then ``<|user|>…<|end|><|assistant|>answer<|end|>`` per turn,
+    ending with ``<|assistant|>`` after the last (unanswered) question. Plain strings are questions without media."""
+    parts = [f"<|system|>{system}{END}"] if system else []
+    images = audios = 0
+    for i, turn in enumerate(turns):
+        turn = Turn(turn) if isinstance(turn, str) else turn
+        parts.append(user_turn(user_content(turn, images + 1, audios + 1)))
+        images += len(turn.images)
+        audios += len(turn.audios)
+        if turn.assistant is not None:
+            parts.append(f"{turn.assistant}{END}")
+        elif i != len(turns) - 1:
+            raise ValueError("only the last turn may be unanswered")
+    return "".join(parts)
+
+
+def user_turn(content: str) -> str:
+    """One question in the chat format, ending with the assistant's cue."""
+    return f"<|user|>{content}{END}<|assistant|>"

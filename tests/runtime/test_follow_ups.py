@@ -1,0 +1,117 @@
+"""Follow-up questions on the kept generator, and the LongRoPE switch, against the PyTorch reference.
+
+A follow-up's tokens and logits must equal the reference run over the same token ids (the conversation's prompt ids,
+generated ids and the question's ids), with the image/audio features of the first turn; a generation that crosses
+``original_max_position_embeddings`` must equal the reference's generation loop that, like the original model,
+recomputes every position once at the switch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from builder_plugin.runtime import Chat, Turn, build_prompt
+from builder_plugin.testing.reference import GreedyResult, Reference
+
+NEAR_TIE = 1e-3  # top-1 minus top-2 reference logit below which fp32 rounding may flip the argmax
+LOGITS_ATOL = 1e-3
+MEDIA = {"text": ((), ()), "image": (("square.png",), ()), "audio": ((), ("clip_2s.wav",))}
+
+
+def _first_turn_inputs(package, media_dir, question: str, mode: str) -> tuple[dict[str, np.ndarray], list, list]:
+    """The processor tensors of the conversation's first prompt, made by a separate Chat."""
+    images = [media_dir / name for name in MEDIA[mode][0]]
+    audios = [media_dir / name for name in MEDIA[mode][1]]
+    prompt = build_prompt([Turn(question, tuple(images), tuple(audios))])
+    return Chat(package).generate(prompt, images, audios, max_new_tokens=1).inputs, images, audios
+
+
+def _agreed(got: list[int], expected: GreedyResult) -> int:
+    """Tokens compared: up to the first reference near-tie (after which fp32 rounding may legitimately diverge)."""
+    return next((i + 1 for i, gap in enumerate(expected.top2_gap) if gap < NEAR_TIE), len(expected.tokens))
+
+
+def _assert_matches(chat: Chat, new_tokens: list[int], expected: GreedyResult, what: str) -> None:
+    agreed = _agreed(new_tokens, expected)
+    assert new_tokens[:agreed] == expected.tokens[:agreed], what
+    assert len(chat.last_logits) == len(new_tokens)
+    worst = max(float(np.abs(got - want.numpy()).max())
+                for got, want in zip(chat.last_logits[:agreed], expected.step_logits[:agreed]))
+    assert worst <= LOGITS_ATOL, f"{what}: logits differ by up to {worst:.2e}"
+
+
+@pytest.mark.parametrize(("layout", "mode"), [("routed", "text"), ("routed", "image"), ("routed", "audio"),
+                                              ("split", "audio")])
+def test_follow_up_equals_the_reference_over_the_same_ids(layout, mode, request, media_dir, reference):
+    package = request.getfixturevalue({"routed": "tiny_package", "split": "tiny_split_package"}[layout])
+    question = "Describe what you get."
+    first_inputs, images, audios = _first_turn_inputs(package, media_dir, question, mode)
+    chat = Chat(package)
+    chat.keep_logits = True
+    list(chat.ask(question, images, audios, max_new_tokens=4))
+    kept = chat.token_ids
+    assert kept[:first_inputs["input_ids"].shape[1]] == first_inputs["input_ids"][0].tolist()
+
+    for follow_up in ("And what else?", "Say it again, shorter."):
+        list(chat.ask(follow_up, max_new_tokens=6))
+        stats = chat.last_stats
+        assert stats.reused_tokens == len(kept) - 1 and stats.prefill_tokens < 20  # not the whole conversation
+        ids = chat.token_ids
+        assert ids[:len(kept)] == kept  # answers are never re-tokenised
+        prefix, new = ids[:stats.prompt_tokens], ids[stats.prompt_tokens:]
+        assert len(new) == stats.new_tokens == 6
+        inputs = {**first_inputs, "input_ids": np.array([prefix], np.int64)}
+        expected = reference.prefill_and_greedy(inputs, max_new_tokens=len(new))
+        assert expected.lora == Reference.lora_for_mode(Reference.mode_for(bool(images), bool(audios)))
+        _assert_matches(chat, new, expected, f"{layout} {mode}: {follow_up}")
+        kept = ids
+
+
+def _text_ids_length(package, question: str) -> int:
+    return Chat(package).generate(build_prompt([question]), max_new_tokens=1).inputs["input_ids"].shape[1]
+
+
+@pytest.mark.parametrize("mode", ["text", "audio"])
+def test_generation_crossing_the_longrope_switch_recomputes_like_the_original(mode, tiny_package, tiny_config,
+                                                                              media_dir, reference):
+    switch = tiny_config.text.original_max_position_embeddings
+    question = "Count."
+    first_inputs, images, audios = _first_turn_inputs(tiny_package, media_dir, question, mode)
+    prompt_tokens = first_inputs["input_ids"].shape[1]
+    assert prompt_tokens < switch
+    new_tokens = switch - prompt_tokens + 12  # crosses the switch during generation
+    chat = Chat(tiny_package)
+    chat.keep_logits = True
+    list(chat.ask(question, images, audios, max_new_tokens=new_tokens))
+    assert chat.last_stats.recomputed
+    generated = chat.token_ids[prompt_tokens:]
+    expected = reference.prefill_and_greedy(first_inputs, max_new_tokens=new_tokens, recompute_at_switch=True)
+    _assert_matches(chat, generated, expected, f"{mode} across the switch")
+
+    # The recompute matters: the plain incremental loop (cached short-factor keys) is measurably different after it.
+    incremental = reference.prefill_and_greedy(first_inputs, max_new_tokens=new_tokens)
+    after = switch - prompt_tokens + 1
+    drift = max(float(np.abs(a - b).numpy().max()) for a, b in
+                zip(expected.step_logits[after:], incremental.step_logits[after:]))
+    assert drift > 10 * LOGITS_ATOL
+
+
+def test_follow_up_crossing_the_switch_restarts_over_the_same_ids(tiny_package, tiny_config, reference):
+    """A question that takes a short-factor conversation past the switch is prefilled with every id again."""
+    switch = tiny_config.text.original_max_position_embeddings
+    question = "Count."
+    prompt_tokens = _text_ids_length(tiny_package, question)
+    chat = Chat(tiny_package)
+    chat.keep_logits = True
+    list(chat.ask(question, max_new_tokens=switch - prompt_tokens - 4))
+    kept = chat.token_ids
+    assert len(kept) <= switch
+    list(chat.ask("Go on, please, with a few more words.", max_new_tokens=5))
+    stats = chat.last_stats
+    assert stats.prompt_tokens > switch and stats.reused_tokens == 0 and not stats.recomputed
+    ids = chat.token_ids
+    assert ids[:len(kept)] == kept
+    expected = reference.prefill_and_greedy({"input_ids": np.array([ids[:stats.prompt_tokens]], np.int64)},
+                                            max_new_tokens=5)
+    _assert_matches(chat, ids[stats.prompt_tokens:], expected, "follow-up past the switch")

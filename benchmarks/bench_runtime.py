@@ -11,9 +11,9 @@ Model: a FULL-WIDTH generated checkpoint (real Phi-4-multimodal widths and vocab
 --text-layers decoder layers (the real model has 32), 4 SigLIP layers (27) and 4 conformer blocks (24), unless
 --checkpoint is given. A second checkpoint that differs only in having --scaling-layers decoder layers splits the text
 prompt's times into a fixed and a per-decoder-layer part (see "32-layer estimate"). Checkpoints and the fp32 and int4
-CPU packages (``lora="routed"``) are built once into --work and reused while their recipe and the builder's sources
-are unchanged (``--keep-packages``: whatever the sources); building is not part of the measured run
-(``--setup-only`` does just that part).
+CPU packages (``lora="split"``: one decoder file per input mode, each timed on its own) are built once into --work
+and reused while their recipe and the builder's sources are unchanged (``--keep-packages``: whatever the sources);
+building is not part of the measured run (``--setup-only`` does just that part).
 
 Prompts (through onnxruntime-genai's real MultiModalProcessor; the PyTorch side gets the processor's tensors):
 ``text`` (~100 tokens, base decoder), ``image-1crop`` (448x448: global view + 1 crop, vision-LoRA decoder),
@@ -106,7 +106,7 @@ TEXT_PROMPT_TOKENS = 100
 BACKENDS = ("ort-fp32", "ort-int4", "torch-fp32")
 PROMPT_NAMES = ("text", "image-1crop", "image-4crops", "audio-10s")
 PRECISIONS = ("fp32", "int4")
-# Decoder files of a routed package (builder_plugin.runtime.VARIANT_FILES) by input mode.
+# Decoder files of a split package (builder_plugin.runtime.manifest.SPLIT_DECODERS) by input mode.
 VARIANT_FILES = {
     "text": "phi-4-mm-text-base.onnx",
     "vision": "phi-4-mm-text.onnx",
@@ -178,7 +178,7 @@ def prepare_package(work: Path, checkpoint: Path, precision: str, fingerprint: s
     folder = work / f"package-{checkpoint.name}-{precision}"
     stat = (checkpoint / "config.json").stat()
     recipe = {"checkpoint": str(checkpoint.resolve()), "config_mtime": stat.st_mtime, "precision": precision,
-              "lora": "routed", "execution_provider": "cpu", "builder": fingerprint}
+              "lora": "split", "execution_provider": "cpu", "builder": fingerprint}
     marker = _recipe_file(folder)
     if fingerprint is None and folder.is_dir() and marker.is_file():
         recipe["builder"] = json.loads(marker.read_text()).get("builder")
@@ -201,7 +201,7 @@ def _build_worker(checkpoint: str, output: str, precision: str, info_file: str) 
     from builder_plugin.options import BuildOptions
 
     result = build(BuildOptions(model_dir=Path(checkpoint), output_dir=Path(output), precision=precision,
-                                lora="routed", execution_provider="cpu", overwrite=True), progress=False)
+                                lora="split", execution_provider="cpu", overwrite=True), progress=False)
     write_json(info_file, {"seconds": result.seconds, "peak_rss_bytes": peak_rss_bytes(),
                            "total_bytes": result.total_bytes, "files": dict(result.files)})
     return 0

@@ -1,0 +1,234 @@
+"""Run time of a package as an app meets it: resident memory after each input mode, time to first token for first
+questions and follow-ups, decode speed — through builder_plugin.runtime.Chat.
+
+    python benchmarks/bench_chat.py --package PKG [--split-package SPLIT] [--new-tokens 32]
+
+PKG is a routed package (the default build: one self-routing decoder); SPLIT, optional, is a ``--lora split``
+package of the same checkpoint (one decoder file per input mode, one og.Model each), run the way the run-time helper
+ran packages before follow-ups were kept: every question re-prefilled in a generator sized to the prompt and answer
+(``follow_up_room=0``). For the real model's shapes, build both from the full-size random checkpoint:
+
+    python -m builder_plugin.testing.make_checkpoint full --preset full
+    python -m builder_plugin -i full -o pkg-int4 -p int4
+    python -m builder_plugin -i full -o pkg-int4-split -p int4 --lora split
+
+Scenarios, each in its own process (so each peak RSS is its own), one after the other:
+- ``all modes``: a text question, then an audio question, then an image question (each a new conversation), then a
+  text follow-up in the image conversation (kept generator), then the same kind of follow-up after ``release()``
+  (the whole conversation prefilled again, as every follow-up was before);
+- ``text only`` / ``image only`` (split package): one question of that mode, the memory of one mode as before.
+
+Media: a 451x300 image and a 5 s clip, generated (random content, real sizes). Results: benchmarks/results/chat.json
+and the "Chat run time" section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import (  # noqa: E402
+    current_rss_bytes,
+    fmt,
+    machine_info,
+    machine_markdown,
+    markdown_table,
+    peak_rss_bytes,
+    replace_markdown_section,
+    rss_split,
+    write_json,
+)
+
+GB = 1e9
+IMAGE_SIZE = (451, 300)
+AUDIO_SECONDS = 5.0
+QUESTIONS = {
+    "text": "Tell me a short story about a lighthouse keeper and a storm.",
+    "audio": "Transcribe the audio clip.",
+    "image": "Describe the picture in detail.",
+    "follow-up": "What colours stand out most?",
+    "re-prefill": "What shapes stand out most?",
+}
+MEMORY_TARGET = 1.3  # all modes in one process, against one mode's peak
+FOLLOW_UP_TARGET = 0.05  # follow-up time to first token, against a re-prefill of the conversation
+SPEED_TARGET = 0.10  # decode and prefill within 10 % of the split package's
+
+
+# ---- worker (one scenario in its own process) -------------------------------------------------------------------
+
+
+def _step(chat: Any, name: str, question: str, images: list[Path], audios: list[Path], new_tokens: int,
+          new_conversation: bool) -> dict[str, Any]:
+    from builder_plugin.runtime import Sampling
+
+    if new_conversation:
+        chat.clear()
+    started = time.perf_counter()
+    for _ in chat.ask(question, images, audios, max_new_tokens=new_tokens, sampling=Sampling()):
+        pass
+    wall = time.perf_counter() - started
+    stats = chat.last_stats
+    return {"step": name, "prompt_tokens": stats.prompt_tokens, "prefill_tokens": stats.prefill_tokens,
+            "reused_tokens": stats.reused_tokens, "new_tokens": stats.new_tokens,
+            "time_to_first_token_s": round(stats.time_to_first_token_s, 3),
+            "decode_tokens_per_s": round(stats.tokens_per_s, 2), "wall_s": round(wall, 2),
+            "rss_bytes": current_rss_bytes(), "peak_rss_bytes": peak_rss_bytes(), **rss_split()}
+
+
+def worker(scenario: str, package: Path, media: Path, new_tokens: int, follow_up_room: int | None) -> dict:
+    from builder_plugin.runtime import FOLLOW_UP_ROOM, Chat
+
+    image, audio = [media / "photo.png"], [media / "clip.wav"]
+    started = time.perf_counter()
+    chat = Chat(package, follow_up_room=FOLLOW_UP_ROOM if follow_up_room is None else follow_up_room)
+    steps = []
+    plan = {
+        "all modes": [("text", [], [], True), ("audio", [], audio, True), ("image", image, [], True),
+                      ("follow-up", [], [], False), ("re-prefill", [], [], False)],
+        "text only": [("text", [], [], True)],
+        "image only": [("image", image, [], True)],
+    }[scenario]
+    for name, images, audios, new in plan:
+        if name == "re-prefill":
+            chat.release()  # the conversation stays; its next question is prefilled whole
+        first_load = not chat.is_loaded(chat.next_variant(images, audios))
+        step = _step(chat, name, QUESTIONS[name], images, audios, new_tokens, new)
+        step["loaded_a_model"] = first_load
+        steps.append(step)
+        print(json.dumps(step), file=sys.stderr, flush=True)
+    return {"scenario": scenario, "package": str(package), "routing": chat.manifest.routing,
+            "follow_up_room": chat.follow_up_room, "steps": steps, "peak_rss_bytes": peak_rss_bytes(),
+            "seconds": round(time.perf_counter() - started, 1)}
+
+
+def run_worker(scenario: str, package: Path, media: Path, args: argparse.Namespace,
+               follow_up_room: int | None) -> dict:
+    command = [sys.executable, __file__, "--worker", scenario, "--package", str(package), "--media", str(media),
+               "--new-tokens", str(args.new_tokens)]
+    if follow_up_room is not None:
+        command += ["--follow-up-room", str(follow_up_room)]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        raise SystemExit(f"worker {scenario} on {package} failed:\n{result.stderr[-3000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+# ---- report -----------------------------------------------------------------------------------------------------
+
+
+def _gb(value: float | None) -> str:
+    return fmt(None if value is None else value / GB, 2)
+
+
+def report(results: dict[str, Any]) -> str:
+    runs = results["runs"]
+    rows = []
+    for label, run in runs.items():
+        for step in run["steps"]:
+            rows.append([label, step["step"], step["prompt_tokens"], step["prefill_tokens"],
+                         fmt(step["time_to_first_token_s"], 2), fmt(step["decode_tokens_per_s"], 2),
+                         _gb(step["rss_bytes"]), _gb(step["peak_rss_bytes"])])
+    table = markdown_table(["package", "step", "prompt tokens", "prefilled", "first token (s)", "decode tok/s",
+                            "RSS after (GB)", "peak RSS (GB)"], rows)
+    lines = [f"Command: `{results['command']}`", "", machine_markdown(results["machine"]), "", table, ""]
+    checks = results.get("checks", {})
+    for name, check in checks.items():
+        lines.append(f"- {name}: {check['text']} ({'met' if check['met'] else 'not met'})")
+    return "\n".join(lines) + "\n"
+
+
+def checks(runs: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    routed = runs.get("routed: all modes")
+    if routed is None:
+        return out
+    steps = {s["step"]: s for s in routed["steps"]}
+    follow, again = steps["follow-up"], steps["re-prefill"]
+    ratio = follow["time_to_first_token_s"] / again["time_to_first_token_s"]
+    out["follow-up"] = {"ratio": ratio, "met": ratio <= FOLLOW_UP_TARGET,
+                        "text": f"follow-up first token {follow['time_to_first_token_s']:.2f} s = {100 * ratio:.1f} % "
+                                f"of a re-prefill ({again['time_to_first_token_s']:.2f} s, {again['prompt_tokens']} "
+                                f"tokens); target <= {100 * FOLLOW_UP_TARGET:.0f} %"}
+    singles = {k: v for k, v in runs.items() if k.startswith("split: ") and k.endswith(" only")}
+    if singles:
+        one = max(v["peak_rss_bytes"] for v in singles.values())
+        ratio = routed["peak_rss_bytes"] / one
+        each = " / ".join(f"{name[len('split: '):]} {run['peak_rss_bytes'] / GB:.2f}" for name, run in singles.items())
+        out["memory"] = {"ratio": ratio, "met": ratio <= MEMORY_TARGET,
+                         "text": f"all three modes in one process peak at {routed['peak_rss_bytes'] / GB:.2f} GB = "
+                                 f"{ratio:.2f}x the largest one-mode peak ({one / GB:.2f} GB: {each}); "
+                                 f"target <= {MEMORY_TARGET}x"}
+    split = runs.get("split: all modes")
+    if split is not None:
+        base = {s["step"]: s for s in split["steps"]}
+        worst = 0.0
+        parts = []
+        for name in ("text", "audio", "image"):
+            ours, theirs = steps[name], base[name]
+            decode = ours["decode_tokens_per_s"] / theirs["decode_tokens_per_s"] - 1
+            prefill = theirs["time_to_first_token_s"] / ours["time_to_first_token_s"] - 1
+            worst = min(worst, decode, prefill)
+            parts.append(f"{name}: decode {100 * decode:+.0f} %, first token {100 * prefill:+.0f} %")
+        out["speed"] = {"worst": worst, "met": worst >= -SPEED_TARGET,
+                        "text": "routed against split, higher is faster: " + "; ".join(parts)
+                                + f"; target: no worse than -{100 * SPEED_TARGET:.0f} %"}
+        out["memory before"] = {"met": True, "ratio": split["peak_rss_bytes"] / GB,
+                                "text": f"the split package through the same steps peaks at "
+                                        f"{split['peak_rss_bytes'] / GB:.2f} GB (one og.Model per mode)"}
+    return out
+
+
+def make_media(folder: Path) -> Path:
+    from builder_plugin.testing.media import make_image, make_wav
+
+    folder.mkdir(parents=True, exist_ok=True)
+    make_image(folder / "photo.png", *IMAGE_SIZE, seed=3)
+    make_wav(folder / "clip.wav", AUDIO_SECONDS, sample_rate=16000, seed=4)
+    return folder
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--package", type=Path, required=True, help="routed package (the default build)")
+    parser.add_argument("--split-package", type=Path, help="--lora split package of the same checkpoint")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "chat.json")
+    parser.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"), help="'' leaves the docs alone")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--media", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--follow-up-room", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.package, args.media, args.new_tokens, args.follow_up_room)))
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        media = make_media(Path(tmp) / "media")
+        runs: dict[str, Any] = {}
+        runs["routed: all modes"] = run_worker("all modes", args.package, media, args, None)
+        if args.split_package:
+            for scenario in ("all modes", "text only", "image only"):
+                runs[f"split: {scenario}"] = run_worker(scenario, args.split_package, media, args, 0)
+    command = "python benchmarks/bench_chat.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    results = {"command": command, "machine": machine_info(), "new_tokens": args.new_tokens, "runs": runs}
+    results["checks"] = checks(runs)
+    write_json(args.out, results)
+    body = report(results)
+    print(body)
+    if args.doc:
+        replace_markdown_section(args.doc, "## Chat run time", body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -78,43 +79,41 @@ class Server:
         return JSONResponse(self._model_card())
 
     async def chat_completions(self, request: Request) -> Response:
-        body = await self._read_body(request)
-        parsed = parse_request(body)
+        parsed = parse_request(await self._read_body(request))
         if parsed.model is not None and parsed.model != self.model_id:
             raise _unknown_model(parsed.model)
         media = MediaReader(self.media_cache, self.allow_local_files)
-        try:
-            conversation = await run_in_threadpool(parse_conversation, parsed.messages, media)
-            if conversation.has_audio and not self.chat.has_speech:
-                raise ApiError("this model has no speech encoder, so it cannot take audio", param="messages",
-                               code="audio_not_supported")
-            loop = asyncio.get_running_loop()
-            events: asyncio.Queue[Event] = asyncio.Queue()
-            job = Job(conversation, emit=_emitter(loop, events), max_new_tokens=parsed.max_new_tokens,
-                      sampling=parsed.sampling, stops=parsed.stop_strings, labels=media.labels)
-            self.worker.submit(job)
-        except BaseException:
-            self.media_cache.release(media.stored)
-            raise
+        release = functools.partial(self.media_cache.release, media.stored)  # the files may be evicted again
         reply = Reply.new(self.model_id)
-        release = lambda: self.media_cache.release(media.stored)  # noqa: E731
-        if parsed.stream:
-            try:
-                first = await _until_disconnect(request, job, events.get())
-            except BaseException:
-                release()
-                raise
-            if isinstance(first, Failed):
-                release()
-                raise first.error
-            return StreamingResponse(_stream(job, events, reply, parsed, release), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+        streaming = False
         try:
+            job, events = await self._submit(parsed, media)
+            if parsed.stream:
+                first = await _until_disconnect(request, job, events.get())
+                if isinstance(first, Failed):
+                    raise first.error
+                streaming = True  # the stream releases the media when it ends
+                return StreamingResponse(_stream(job, events, reply, parsed.include_usage, release),
+                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             text, finished = await _until_disconnect(request, job, _collect(events))
         finally:
-            release()
+            if not streaming:
+                release()
         return JSONResponse(reply.completion(text, finished.finish_reason,
                                              usage(finished.prompt_tokens, finished.completion_tokens)))
+
+    async def _submit(self, parsed: ChatCompletionRequest, media: MediaReader) -> tuple[Job, asyncio.Queue[Event]]:
+        """Parse the messages (decoding media into the cache) and queue the job; raises ApiError (400, 429)."""
+        conversation = await run_in_threadpool(parse_conversation, parsed.messages, media)
+        if conversation.has_audio and not self.chat.has_speech:
+            raise ApiError("this model has no speech encoder, so it cannot take audio", param="messages",
+                           code="audio_not_supported")
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        job = Job(conversation, emit=_emitter(asyncio.get_running_loop(), events),
+                  max_new_tokens=parsed.max_new_tokens, sampling=parsed.sampling, stops=parsed.stop_strings,
+                  labels=media.labels)
+        self.worker.submit(job)
+        return job, events
 
     # ---- helpers -------------------------------------------------------------------------------------------------
 
@@ -182,8 +181,8 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _stream(job: Job, events: asyncio.Queue[Event], reply: Reply, parsed: ChatCompletionRequest,
-                  release: Any) -> AsyncIterator[str]:
+async def _stream(job: Job, events: asyncio.Queue[Event], reply: Reply, include_usage: bool,
+                  release: Callable[[], None]) -> AsyncIterator[str]:
     """Server-sent events: a role chunk, content chunks, a finish chunk, a usage chunk when asked, then [DONE].
     Starlette cancels this when the client disconnects; the job is then cancelled too."""
     try:
@@ -194,7 +193,7 @@ async def _stream(job: Job, events: asyncio.Queue[Event], reply: Reply, parsed: 
                 yield _sse(reply.chunk({"content": event.text}))
             elif isinstance(event, Finished):
                 yield _sse(reply.chunk({}, event.finish_reason))
-                if parsed.include_usage:
+                if include_usage:
                     yield _sse(reply.usage_chunk(usage(event.prompt_tokens, event.completion_tokens)))
                 break
             elif isinstance(event, Failed):

@@ -28,3 +28,7 @@ def queue_full(max_queue: int) -> ApiError:
 
 def server_error(message: str) -> ApiError:
     return ApiError(message, 500, type="server_error")
+
+
+def shutting_down() -> ApiError:
+    return ApiError("the server is shutting down", 503, type="server_error")

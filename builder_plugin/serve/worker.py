@@ -14,7 +14,7 @@ from pathlib import Path
 
 from builder_plugin import runtime
 from builder_plugin.runtime import Chat, Sampling
-from builder_plugin.serve.errors import ApiError, queue_full, server_error
+from builder_plugin.serve.errors import ApiError, queue_full, server_error, shutting_down
 from builder_plugin.serve.protocol import Conversation
 from builder_plugin.serve.stop import StopScanner
 
@@ -86,7 +86,7 @@ class Worker:
     def submit(self, job: Job) -> None:
         """Queue `job`; raises ApiError 429 when `max_queue` requests are already waiting."""
         if self._stopping.is_set():
-            raise ApiError("the server is shutting down", 503, type="server_error")
+            raise shutting_down()
         try:
             self._jobs.put_nowait(job)
         except queue.Full:
@@ -103,7 +103,7 @@ class Worker:
             except queue.Empty:
                 break
             if job is not None:
-                job.emit(Failed(ApiError("the server is shutting down", 503, type="server_error")))
+                job.emit(Failed(shutting_down()))
         self._jobs.put(None)
         if self._thread.is_alive():
             self._thread.join(timeout=30)
@@ -144,6 +144,8 @@ class Worker:
         try:
             for piece in pieces:
                 if job.cancelled.is_set():
+                    if self._stopping.is_set():
+                        job.emit(Failed(shutting_down()))
                     return
                 text, stopped = scanner.feed(piece)
                 if text:

@@ -5,8 +5,8 @@ package.
     python benchmarks/bench_serve.py                          # the tiny generated package (built into --work)
     python benchmarks/bench_serve.py /work/bench/pkg-int4 --requests 8 --concurrency 2 --ttft-runs 3 --max-length 2048
 
-Chat runs first in this process, then it is freed and the server runs in its own process (so a full-size package is
-loaded once at a time); the clients are threads of this process using the openai client. Every request is a fresh
+The server runs in its own process, Chat and the clients (threads, with the openai client) in this one; both have
+the package loaded at once, and the time-to-first-token requests alternate between them. Every request is a fresh
 one-question conversation with its own text, greedy, `--max-tokens` new tokens. Results are merged by `--label`
 into `benchmarks/results/serve.json` and the "## Serving" section of docs/benchmarks.md is rewritten from it.
 """
@@ -14,12 +14,13 @@ into `benchmarks/results/serve.json` and the "## Serving" section of docs/benchm
 from __future__ import annotations
 
 import argparse
-import gc
+import contextlib
 import json
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,38 +58,37 @@ def percentiles(seconds: list[float]) -> dict[str, float]:
             "p99": float(np.percentile(values, 99)), "mean": float(values.mean()), "n": len(seconds)}
 
 
-# ---- Chat directly ------------------------------------------------------------------------------------------------
+# ---- one request, either way --------------------------------------------------------------------------------------
 
 
-def measure_chat(package: Path, args: argparse.Namespace) -> dict[str, Any]:
-    from builder_plugin.runtime import Chat
-
-    chat = Chat(package, max_length=args.max_length)
-    chat.load(chat.variant_for(has_image=False, has_audio=False))
-
-    def one(i: int) -> tuple[float, float]:
-        chat.clear()
-        start = time.perf_counter()
-        pieces = chat.ask(prompt(i), max_new_tokens=args.max_tokens)
-        first = None
-        for piece in pieces:
-            if first is None and piece:
-                first = time.perf_counter()
-        end = time.perf_counter()
-        return (first or end) - start, end - start
-
-    one(-1)  # warm-up
-    ttft = [one(i)[0] for i in range(args.ttft_runs)]
-    latency = [one(1000 + i)[1] for i in range(args.requests)]
-    return {"ttft_s": percentiles(ttft), "latency_s": percentiles(latency), "requests_per_s": 1 / np.mean(latency)}
+def ask_chat(chat: Any, i: int, max_tokens: int) -> tuple[float, float]:
+    """(time to the first non-empty piece, total time) of a fresh one-question conversation with `chat`."""
+    chat.clear()
+    start = time.perf_counter()
+    first = None
+    for piece in chat.ask(prompt(i), max_new_tokens=max_tokens):
+        if first is None and piece:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return (first or end) - start, end - start
 
 
-# ---- through the server -------------------------------------------------------------------------------------------
+def ask_server(client: Any, model: str, i: int, max_tokens: int, stream: bool) -> tuple[float, float]:
+    """The same through the server: (time to the first non-empty content chunk, total time)."""
+    start = time.perf_counter()
+    messages = [{"role": "user", "content": prompt(i)}]
+    response = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, stream=stream)
+    first = None
+    for chunk in response if stream else ():
+        if first is None and chunk.choices and chunk.choices[0].delta.content:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return (first or end) - start, end - start
 
 
-def measure_server(package: Path, args: argparse.Namespace) -> dict[str, Any]:
-    import openai
-
+@contextlib.contextmanager
+def served(package: Path, args: argparse.Namespace) -> Iterator[tuple[str, str]]:
+    """`python -m builder_plugin.serve` on a free port: (base URL, model id); stopped on exit."""
     command = [sys.executable, "-m", "builder_plugin.serve", str(package), "--port", "0",
                "--max-queue", str(max(args.concurrency, 1))]
     if args.max_length:
@@ -98,42 +98,55 @@ def measure_server(package: Path, args: argparse.Namespace) -> dict[str, Any]:
         line = server.stdout.readline()
         if not line.startswith("serving "):
             raise RuntimeError(f"the server did not start: {line!r}")
-        url = line.split(" at ")[1].strip()
-        model = line.split()[1]
+        yield line.split(" at ")[1].strip(), line.split()[1]
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
 
-        def client() -> openai.OpenAI:
-            return openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
 
-        def first_token(c: openai.OpenAI, i: int) -> float:
-            start = time.perf_counter()
-            stream = c.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt(i)}],
-                                               max_tokens=args.max_tokens, stream=True)
-            first = None
-            for chunk in stream:
-                if first is None and chunk.choices and chunk.choices[0].delta.content:
-                    first = time.perf_counter()
-            return (first or time.perf_counter()) - start
+# ---- measurements -------------------------------------------------------------------------------------------------
 
-        caller = client()
-        first_token(caller, -1)  # warm-up
-        ttft = [first_token(caller, i) for i in range(args.ttft_runs)]
 
-        latency: list[float] = []
+def measure(package: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Both loaded at once; the time-to-first-token requests alternate between Chat and the server, so background
+    load hits both alike; then the throughput runs, Chat's (one after the other) and the server's (concurrent)."""
+    import openai
+
+    from builder_plugin.runtime import Chat
+
+    def client(url: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+
+    with served(package, args) as (url, model):
+        chat = Chat(package, max_length=args.max_length)
+        chat.load(chat.variant_for(has_image=False, has_audio=False))
+        caller = client(url)
+        ask_chat(chat, -1, args.max_tokens)  # warm-up, both
+        ask_server(caller, model, -1, args.max_tokens, stream=True)
+        ttft: dict[str, list[float]] = {"chat": [], "server": []}
+        for i in range(args.ttft_runs):
+            ttft["chat"].append(ask_chat(chat, i, args.max_tokens)[0])
+            ttft["server"].append(ask_server(caller, model, i, args.max_tokens, stream=True)[0])
+
+        latency = [ask_chat(chat, 1000 + i, args.max_tokens)[1] for i in range(args.requests)]
+        direct = {"ttft_s": percentiles(ttft["chat"]), "latency_s": percentiles(latency),
+                  "requests_per_s": 1 / float(np.mean(latency))}
+        del chat
+
+        served_latency: list[float] = []
         lock = threading.Lock()
-        counter = iter(range(args.requests))
+        numbers = iter(range(args.requests))
 
         def run_client() -> None:
-            c = client()
+            c = client(url)
             while True:
                 with lock:
-                    i = next(counter, None)
+                    i = next(numbers, None)
                 if i is None:
                     return
-                start = time.perf_counter()
-                c.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt(1000 + i)}],
-                                          max_tokens=args.max_tokens)
+                seconds = ask_server(c, model, 1000 + i, args.max_tokens, stream=False)[1]
                 with lock:
-                    latency.append(time.perf_counter() - start)
+                    served_latency.append(seconds)
 
         threads = [threading.Thread(target=run_client) for _ in range(args.concurrency)]
         start = time.perf_counter()
@@ -142,10 +155,9 @@ def measure_server(package: Path, args: argparse.Namespace) -> dict[str, Any]:
         for thread in threads:
             thread.join()
         wall = time.perf_counter() - start
-    finally:
-        server.terminate()
-        server.wait(timeout=60)
-    return {"ttft_s": percentiles(ttft), "latency_s": percentiles(latency), "requests_per_s": len(latency) / wall}
+    server = {"ttft_s": percentiles(ttft["server"]), "latency_s": percentiles(served_latency),
+              "requests_per_s": len(served_latency) / wall}
+    return {"chat": direct, "server": server}
 
 
 # ---- report -------------------------------------------------------------------------------------------------------
@@ -160,10 +172,11 @@ def section(results: dict[str, Any]) -> str:
                      f"{fmt(served['latency_s']['p50'], 3)} / {fmt(served['latency_s']['p90'], 3)} / "
                      f"{fmt(served['latency_s']['p99'], 3)}",
                      fmt(chat["ttft_s"]["p50"] * 1000, 1), fmt(served["ttft_s"]["p50"] * 1000, 1),
-                     fmt((served["ttft_s"]["p50"] - chat["ttft_s"]["p50"]) * 1000, 1)])
+                     fmt((served["ttft_s"]["p50"] - chat["ttft_s"]["p50"]) * 1000, 1),
+                     run["machine"]["load_average"][0]])
     table = markdown_table(["package", "clients", "new tokens", "Chat req/s", "server req/s",
                             "server latency s p50 / p90 / p99", "Chat TTFT ms p50", "server TTFT ms p50",
-                            "overhead ms"], rows)
+                            "overhead ms", "load average"], rows)
     commands = "\n".join(f"- {label}: `{run['command']}`" for label, run in results["runs"].items())
     return (f"Commands:\n\n{commands}\n\n"
             "Short text requests, each a fresh one-question conversation, greedy. `Chat` = the run-time helper called "
@@ -171,8 +184,11 @@ def section(results: dict[str, Any]) -> str:
             "`python -m builder_plugin.serve` in its own process, called over HTTP on 127.0.0.1 by `clients` "
             "threads with the openai client (requests are answered one at a time, the others wait in the queue). "
             "TTFT = request sent to the first non-empty content chunk (server, streamed) or first non-empty piece "
-            "(Chat), one client; overhead = server TTFT - Chat TTFT (HTTP, JSON, the queue and the worker thread). "
-            "Latency percentiles include the time spent waiting in the queue.\n\n" + table)
+            "(Chat), one client, the Chat and server requests in turn (both packages loaded at once, so background "
+            "load hits them alike); overhead = server TTFT - Chat TTFT (HTTP, JSON, the queue and the worker "
+            "thread). "
+            "Latency percentiles include the time spent waiting in the queue. Load average = the machine's 1-minute "
+            "load at the end of the run (2 cores, shared with other jobs when above ~1.5).\n\n" + table)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,9 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     command = "python benchmarks/bench_serve.py " + " ".join(argv if argv is not None else sys.argv[1:])
     run = {"package": str(package), "command": command.strip(), "requests": args.requests,
            "concurrency": args.concurrency, "max_tokens": args.max_tokens,
-           "chat": measure_chat(package, args)}
-    gc.collect()  # the Chat's models are freed before the server loads its own
-    run["server"] = measure_server(package, args)
+           **measure(package, args)}
     run["ttft_overhead_ms"] = (run["server"]["ttft_s"]["p50"] - run["chat"]["ttft_s"]["p50"]) * 1000
     run["machine"] = machine_info()
 

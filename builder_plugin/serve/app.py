@@ -135,11 +135,6 @@ class Server:
         return b"".join(chunks)
 
 
-def create_app(chat: Chat, media_cache: MediaCache, **options: Any) -> Starlette:
-    """The ASGI app serving `chat` (options: see Server)."""
-    return Server(chat, media_cache, **options).app()
-
-
 def _emitter(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[Event]):
     def emit(event: Event) -> None:
         with contextlib.suppress(RuntimeError):  # the loop is closed: the server is gone, nobody listens

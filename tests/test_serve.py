@@ -21,7 +21,7 @@ import openai
 import pytest
 import uvicorn
 
-from builder_plugin.runtime import Chat, Sampling
+from builder_plugin.runtime import Chat, ChatError, Sampling
 from builder_plugin.serve.app import MB, Server
 from builder_plugin.serve.errors import ApiError
 from builder_plugin.serve.media import MediaCache, MediaReader
@@ -353,6 +353,38 @@ def test_audio_on_a_package_without_speech(package, media_dir, tmp_path):
         with pytest.raises(openai.BadRequestError) as caught:
             ask_server(no_speech.client(), [user("Listen.", audios=(media_dir / AUDIO,))])
         assert caught.value.code == "audio_not_supported"
+
+
+class FailingChat(Chat):
+    """A Chat whose answers fail after their first piece: with a ChatError ("model" failures) or a bug."""
+
+    failure: type[Exception] = ChatError
+
+    def ask(self, *args, **kwargs):
+        pieces = super().ask(*args, **kwargs)
+
+        def fail_after_one():
+            with contextlib.closing(pieces):
+                yield next(pieces)
+                raise self.failure("the model failed on purpose")
+
+        return fail_after_one()
+
+
+def test_failures_while_answering(package, tmp_path):
+    failing = FailingChat(package)
+    with running_server(failing, tmp_path) as running:
+        client = running.client()
+        with pytest.raises(openai.APIError, match="the model failed on purpose"):
+            list(client.chat.completions.create(model=running.routes.model_id, messages=[user("Hi")], stream=True,
+                                                max_tokens=SHORT))
+        failing.failure = KeyError  # a bug: 500, and the next request is served
+        with pytest.raises(openai.InternalServerError, match="internal error: KeyError"):
+            ask_server(client, [user("Hi")])
+        failing.failure = ChatError
+        with pytest.raises(openai.BadRequestError, match="the model failed on purpose"):
+            ask_server(client, [user("Hi")])
+        assert httpx.get(f"{running.url}/health").json()["status"] == "ok"
 
 
 # ---- queue, concurrency, disconnects ------------------------------------------------------------------------------

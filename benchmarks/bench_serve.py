@@ -1,0 +1,231 @@
+"""Serving overhead: short text requests through `python -m builder_plugin.serve` (requests/s, latency percentiles
+with several clients at once) and time to first token through the server against `Chat` directly on the same
+package.
+
+    python benchmarks/bench_serve.py                          # the tiny generated package (built into --work)
+    python benchmarks/bench_serve.py /work/bench/pkg-int4 --requests 8 --concurrency 2 --ttft-runs 3 --max-length 2048
+
+The server runs in its own process, Chat and the clients (threads, with the openai client) in this one; both have
+the package loaded at once, and the time-to-first-token requests alternate between them. Every request is a fresh
+one-question conversation with its own text, greedy, `--max-tokens` new tokens. Results are merged by `--label`
+into `benchmarks/results/serve.json` and the "## Serving" section of docs/benchmarks.md is rewritten from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import fmt, machine_info, markdown_table, replace_markdown_section, write_json
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "serve.json"
+DOC = ROOT / "docs" / "benchmarks.md"
+
+
+def prompt(i: int) -> str:
+    return f"Request {i}: name three colours and say why you like them."
+
+
+def tiny_package(work: Path) -> Path:
+    """The fp32 CPU package of the tiny random checkpoint the tests use (built once into `work`)."""
+    from builder_plugin.build import build
+    from builder_plugin.options import BuildOptions
+    from builder_plugin.testing.make_checkpoint import make_checkpoint
+
+    package = work / "tiny-package"
+    if not (package / "genai_config.json").is_file():
+        checkpoint = make_checkpoint(work / "tiny-checkpoint", preset="tiny", seed=0)
+        build(BuildOptions(model_dir=checkpoint, output_dir=package, precision="fp32", execution_provider="cpu",
+                           max_length=4096, overwrite=True), progress=False)
+    return package
+
+
+def percentiles(seconds: list[float]) -> dict[str, float]:
+    values = np.asarray(seconds)
+    return {"p50": float(np.percentile(values, 50)), "p90": float(np.percentile(values, 90)),
+            "p99": float(np.percentile(values, 99)), "mean": float(values.mean()), "n": len(seconds)}
+
+
+# ---- one request, either way --------------------------------------------------------------------------------------
+
+
+def ask_chat(chat: Any, i: int, max_tokens: int) -> tuple[float, float]:
+    """(time to the first non-empty piece, total time) of a fresh one-question conversation with `chat`."""
+    chat.clear()
+    start = time.perf_counter()
+    first = None
+    for piece in chat.ask(prompt(i), max_new_tokens=max_tokens):
+        if first is None and piece:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return (first or end) - start, end - start
+
+
+def ask_server(client: Any, model: str, i: int, max_tokens: int, stream: bool) -> tuple[float, float]:
+    """The same through the server: (time to the first non-empty content chunk, total time)."""
+    start = time.perf_counter()
+    messages = [{"role": "user", "content": prompt(i)}]
+    response = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, stream=stream)
+    first = None
+    for chunk in response if stream else ():
+        if first is None and chunk.choices and chunk.choices[0].delta.content:
+            first = time.perf_counter()
+    end = time.perf_counter()
+    return (first or end) - start, end - start
+
+
+@contextlib.contextmanager
+def served(package: Path, args: argparse.Namespace) -> Iterator[tuple[str, str]]:
+    """`python -m builder_plugin.serve` on a free port: (base URL, model id); stopped on exit."""
+    command = [sys.executable, "-m", "builder_plugin.serve", str(package), "--port", "0",
+               "--max-queue", str(max(args.concurrency, 1))]
+    if args.max_length:
+        command += ["--max-length", str(args.max_length)]
+    server = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = server.stdout.readline()
+        if not line.startswith("serving "):
+            raise RuntimeError(f"the server did not start: {line!r}")
+        yield line.split(" at ")[1].strip(), line.split()[1]
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
+# ---- measurements -------------------------------------------------------------------------------------------------
+
+
+def measure(package: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Both loaded at once; the time-to-first-token requests alternate between Chat and the server, so background
+    load hits both alike; then the throughput runs, Chat's (one after the other) and the server's (concurrent)."""
+    import openai
+
+    from builder_plugin.runtime import Chat
+
+    def client(url: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
+
+    with served(package, args) as (url, model):
+        chat = Chat(package, max_length=args.max_length)
+        chat.load(chat.variant_for(has_image=False, has_audio=False))
+        caller = client(url)
+        ask_chat(chat, -1, args.max_tokens)  # warm-up, both
+        ask_server(caller, model, -1, args.max_tokens, stream=True)
+        ttft: dict[str, list[float]] = {"chat": [], "server": []}
+        for i in range(args.ttft_runs):
+            ttft["chat"].append(ask_chat(chat, i, args.max_tokens)[0])
+            ttft["server"].append(ask_server(caller, model, i, args.max_tokens, stream=True)[0])
+
+        latency = [ask_chat(chat, 1000 + i, args.max_tokens)[1] for i in range(args.requests)]
+        direct = {"ttft_s": percentiles(ttft["chat"]), "latency_s": percentiles(latency),
+                  "requests_per_s": 1 / float(np.mean(latency))}
+        del chat
+
+        served_latency: list[float] = []
+        lock = threading.Lock()
+        numbers = iter(range(args.requests))
+
+        def run_client() -> None:
+            c = client(url)
+            while True:
+                with lock:
+                    i = next(numbers, None)
+                if i is None:
+                    return
+                seconds = ask_server(c, model, 1000 + i, args.max_tokens, stream=False)[1]
+                with lock:
+                    served_latency.append(seconds)
+
+        threads = [threading.Thread(target=run_client) for _ in range(args.concurrency)]
+        start = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        wall = time.perf_counter() - start
+    server = {"ttft_s": percentiles(ttft["server"]), "latency_s": percentiles(served_latency),
+              "requests_per_s": len(served_latency) / wall}
+    return {"chat": direct, "server": server}
+
+
+# ---- report -------------------------------------------------------------------------------------------------------
+
+
+def section(results: dict[str, Any]) -> str:
+    rows = []
+    for label, run in results["runs"].items():
+        chat, served = run["chat"], run["server"]
+        rows.append([label, run["concurrency"], run["max_tokens"],
+                     fmt(chat["requests_per_s"]), fmt(served["requests_per_s"]),
+                     f"{fmt(served['latency_s']['p50'], 3)} / {fmt(served['latency_s']['p90'], 3)} / "
+                     f"{fmt(served['latency_s']['p99'], 3)}",
+                     fmt(chat["ttft_s"]["p50"] * 1000, 1), fmt(served["ttft_s"]["p50"] * 1000, 1),
+                     fmt((served["ttft_s"]["p50"] - chat["ttft_s"]["p50"]) * 1000, 1),
+                     run["machine"]["load_average"][0]])
+    table = markdown_table(["package", "clients", "new tokens", "Chat req/s", "server req/s",
+                            "server latency s p50 / p90 / p99", "Chat TTFT ms p50", "server TTFT ms p50",
+                            "overhead ms", "load average"], rows)
+    commands = "\n".join(f"- {label}: `{run['command']}`" for label, run in results["runs"].items())
+    return (f"Commands:\n\n{commands}\n\n"
+            "Short text requests, each a fresh one-question conversation, greedy. `Chat` = the run-time helper called "
+            "directly in one process (one request after the other: its requests/s is 1 / mean latency); server = "
+            "`python -m builder_plugin.serve` in its own process, called over HTTP on 127.0.0.1 by `clients` "
+            "threads with the openai client (requests are answered one at a time, the others wait in the queue). "
+            "TTFT = request sent to the first non-empty content chunk (server, streamed) or first non-empty piece "
+            "(Chat), one client, the Chat and server requests in turn (both packages loaded at once, so background "
+            "load hits them alike); overhead = server TTFT - Chat TTFT (HTTP, JSON, the queue and the worker "
+            "thread). "
+            "Latency percentiles include the time spent waiting in the queue. Load average = the machine's 1-minute "
+            "load at the end of the run (2 cores, shared with other jobs when above ~1.5).\n\n" + table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("package", nargs="?", help="package folder (default: the tiny package, built into --work)")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/bench_serve"), help="where the tiny package goes")
+    parser.add_argument("--label", help="name of this run in the results (default: tiny / the package folder)")
+    parser.add_argument("--requests", type=int, default=40, help="requests of the throughput run")
+    parser.add_argument("--concurrency", type=int, default=4, help="clients sending them at once")
+    parser.add_argument("--max-tokens", type=int, default=8, help="new tokens per request")
+    parser.add_argument("--ttft-runs", type=int, default=10, help="time-to-first-token requests (one client)")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help="KV cache length for Chat and the server (default: the package's; 16384 costs 4 GiB "
+                             "per generator on the full-size model)")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--doc", default=str(DOC), help="Markdown file to update ('' = none)")
+    args = parser.parse_args(argv)
+
+    package = Path(args.package) if args.package else tiny_package(args.work)
+    label = args.label or ("tiny" if not args.package else package.name)
+    command = "python benchmarks/bench_serve.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    run = {"package": str(package), "command": command.strip(), "requests": args.requests,
+           "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+           **measure(package, args)}
+    run["ttft_overhead_ms"] = (run["server"]["ttft_s"]["p50"] - run["chat"]["ttft_s"]["p50"]) * 1000
+    run["machine"] = machine_info()
+
+    results = {"runs": {}}
+    if args.out.is_file():
+        results = json.loads(args.out.read_text(encoding="utf-8"))
+    results["runs"][label] = run
+    write_json(args.out, results)
+    if args.doc:
+        replace_markdown_section(args.doc, "## Serving", section(results), before="## Build")
+    print(section(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+"""python -m builder_plugin.serve PACKAGE: serve a built package over the OpenAI chat-completions API."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+EXECUTION_PROVIDERS = ("cpu", "cuda", "dml", "webgpu")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m builder_plugin.serve",
+                                description="Serve a Phi-4-multimodal package over the OpenAI chat-completions API.")
+    p.add_argument("package", help="folder of the built package (with genai_config.json)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    p.add_argument("--port", type=int, default=8000,
+                   help="port to listen on; 0 picks a free one (default: %(default)s)")
+    p.add_argument("--max-queue", type=int, default=16, metavar="N",
+                   help="requests that may wait while one is answered; more get 429 (default: %(default)s)")
+    p.add_argument("--max-body-mb", type=float, default=32, metavar="N",
+                   help="largest request body in MB; larger ones get 413 (default: %(default)s)")
+    p.add_argument("--allow-local-files", action="store_true",
+                   help="accept file:// image URLs (paths on this machine)")
+    p.add_argument("--media-cache", metavar="DIR", default=None,
+                   help="folder for decoded media (default: a temporary folder removed at exit)")
+    p.add_argument("--media-cache-mb", type=float, default=1024, metavar="N",
+                   help="size the media cache is kept under, in MB (default: %(default)s)")
+    p.add_argument("--max-length", type=int, default=None,
+                   help="longest conversation in tokens, prompt included (default: the package's search.max_length)")
+    p.add_argument("-e", "--execution-provider", choices=EXECUTION_PROVIDERS, default=None,
+                   help="run on this provider (default: the one the package was built for)")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logs and tracebacks")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s: %(message)s")
+    try:
+        return serve(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:
+        if args.verbose:
+            raise
+        print(f"error: {exc}", file=sys.stderr, flush=True)
+        return 1
+
+
+def serve(args: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from builder_plugin.serve.app import MB, Server
+    except ImportError as exc:
+        raise RuntimeError(f"{exc.name} is missing: install the serve extra (pip install -e \".[serve]\")") from None
+    from builder_plugin.runtime import Chat
+    from builder_plugin.serve.media import MediaCache
+
+    if args.max_queue < 1:
+        raise ValueError("--max-queue must be at least 1")
+    if args.max_body_mb <= 0 or args.media_cache_mb <= 0:
+        raise ValueError("--max-body-mb and --media-cache-mb must be positive")
+    chat = Chat(args.package, max_length=args.max_length, execution_provider=args.execution_provider)
+    chat.load(chat.variant_for(has_image=False, has_audio=False))  # the first text request does not wait for it
+    listener = socket.create_server((args.host, args.port))
+    host, port = listener.getsockname()[:2]
+    with tempfile.TemporaryDirectory(prefix="phi4mm-serve-media-") as temporary:
+        cache = MediaCache(Path(args.media_cache or temporary), int(args.media_cache_mb * MB))
+        routes = Server(chat, cache, max_queue=args.max_queue, max_body_bytes=int(args.max_body_mb * MB),
+                        allow_local_files=args.allow_local_files)
+        server = uvicorn.Server(uvicorn.Config(routes.app(), log_level="debug" if args.verbose else "info",
+                                               timeout_graceful_shutdown=5))
+        print(f"serving {routes.model_id} at http://{host}:{port}/v1", flush=True)
+        server.run(sockets=[listener])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

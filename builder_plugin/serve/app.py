@@ -1,0 +1,232 @@
+"""The ASGI app: /v1/chat/completions (JSON or server-sent events), /v1/models and /health, in front of one Worker."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from builder_plugin.runtime import Chat
+from builder_plugin.serve.errors import ApiError
+from builder_plugin.serve.media import MediaCache, MediaReader
+from builder_plugin.serve.protocol import ChatCompletionRequest, Reply, parse_conversation, parse_request, usage
+from builder_plugin.serve.worker import Event, Failed, Finished, Job, Piece, Started, Worker
+
+log = logging.getLogger("builder_plugin.serve")
+
+MB = 1 << 20
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+class Server:
+    """The routes and the state they share: the Chat behind one Worker, the media cache and the limits."""
+
+    def __init__(self, chat: Chat, media_cache: MediaCache, *, model_id: str | None = None, max_queue: int = 16,
+                 max_body_bytes: int = 32 * MB, allow_local_files: bool = False) -> None:
+        self.chat = chat
+        self.model_id = model_id or Path(chat.package_dir).resolve().name
+        self.media_cache = media_cache
+        self.max_body_bytes = max_body_bytes
+        self.allow_local_files = allow_local_files
+        self.worker = Worker(chat, max_queue)
+
+    def app(self) -> Starlette:
+        @contextlib.asynccontextmanager
+        async def lifespan(_: Starlette) -> AsyncIterator[None]:
+            self.worker.start()
+            try:
+                yield
+            finally:
+                await run_in_threadpool(self.worker.stop)
+
+        routes = [
+            Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
+            Route("/health", self.health, methods=["GET"]),
+        ]
+        handlers = {HTTPException: _http_error, ApiError: _api_error, ClientGone: _client_gone,
+                    Exception: _unexpected_error}
+        return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+
+    # ---- routes --------------------------------------------------------------------------------------------------
+
+    async def health(self, _: Request) -> Response:
+        return JSONResponse({"status": "ok", "model": self.model_id, "busy": self.worker.busy,
+                             "waiting": self.worker.waiting, "max_queue": self.worker.max_queue})
+
+    async def models(self, _: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        if request.path_params["model_id"] != self.model_id:
+            raise _unknown_model(request.path_params["model_id"])
+        return JSONResponse(self._model_card())
+
+    async def chat_completions(self, request: Request) -> Response:
+        parsed = parse_request(await self._read_body(request))
+        if parsed.model is not None and parsed.model != self.model_id:
+            raise _unknown_model(parsed.model)
+        media = MediaReader(self.media_cache, self.allow_local_files)
+        release = functools.partial(self.media_cache.release, media.stored)  # the files may be evicted again
+        reply = Reply.new(self.model_id)
+        streaming = False
+        try:
+            job, events = await self._submit(parsed, media)
+            if parsed.stream:
+                first = await _until_disconnect(request, job, events.get())
+                if isinstance(first, Failed):
+                    raise first.error
+                streaming = True  # the stream releases the media when it ends
+                return StreamingResponse(_stream(job, events, reply, parsed.include_usage, release),
+                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            text, finished = await _until_disconnect(request, job, _collect(events))
+        finally:
+            if not streaming:
+                release()
+        return JSONResponse(reply.completion(text, finished.finish_reason,
+                                             usage(finished.prompt_tokens, finished.completion_tokens)))
+
+    async def _submit(self, parsed: ChatCompletionRequest, media: MediaReader) -> tuple[Job, asyncio.Queue[Event]]:
+        """Parse the messages (decoding media into the cache) and queue the job; raises ApiError (400, 429)."""
+        conversation = await run_in_threadpool(parse_conversation, parsed.messages, media)
+        if conversation.has_audio and not self.chat.has_speech:
+            raise ApiError("this model has no speech encoder, so it cannot take audio", param="messages",
+                           code="audio_not_supported")
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        job = Job(conversation, emit=_emitter(asyncio.get_running_loop(), events),
+                  max_new_tokens=parsed.max_new_tokens, sampling=parsed.sampling, stops=parsed.stop_strings,
+                  labels=media.labels)
+        self.worker.submit(job)
+        return job, events
+
+    # ---- helpers -------------------------------------------------------------------------------------------------
+
+    def _model_card(self) -> dict[str, Any]:
+        return {"id": self.model_id, "object": "model", "created": 0, "owned_by": "builder_plugin"}
+
+    async def _read_body(self, request: Request) -> bytes:
+        too_large = ApiError(f"the request body is larger than the limit of {self.max_body_bytes / MB:g} MB "
+                             f"(--max-body-mb)", 413, code="request_too_large")
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def _emitter(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[Event]):
+    def emit(event: Event) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the server is gone, nobody listens
+            loop.call_soon_threadsafe(events.put_nowait, event)
+
+    return emit
+
+
+async def _collect(events: asyncio.Queue[Event]) -> tuple[str, Finished]:
+    pieces = []
+    while True:
+        event = await events.get()
+        if isinstance(event, Piece):
+            pieces.append(event.text)
+        elif isinstance(event, Finished):
+            return "".join(pieces), event
+        elif isinstance(event, Failed):
+            raise event.error
+
+
+async def _until_disconnect(request: Request, job: Job, awaitable: Any) -> Any:
+    """Await `awaitable`; if the client disconnects first, cancel the job (its generation stops at the next token)."""
+    work = asyncio.ensure_future(awaitable)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            job.cancel()
+    if not work.done() or work.cancelled():
+        raise ClientGone()
+    return work.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _stream(job: Job, events: asyncio.Queue[Event], reply: Reply, include_usage: bool,
+                  release: Callable[[], None]) -> AsyncIterator[str]:
+    """Server-sent events: a role chunk, content chunks, a finish chunk, a usage chunk when asked, then [DONE].
+    Starlette cancels this when the client disconnects; the job is then cancelled too."""
+    try:
+        yield _sse(reply.chunk({"role": "assistant", "content": ""}))
+        while True:
+            event = await events.get()
+            if isinstance(event, Piece):
+                yield _sse(reply.chunk({"content": event.text}))
+            elif isinstance(event, Finished):
+                yield _sse(reply.chunk({}, event.finish_reason))
+                if include_usage:
+                    yield _sse(reply.usage_chunk(usage(event.prompt_tokens, event.completion_tokens)))
+                break
+            elif isinstance(event, Failed):
+                yield _sse(event.error.body())
+                break
+            elif not isinstance(event, Started):
+                raise TypeError(f"unexpected event {event!r}")
+        yield "data: [DONE]\n\n"
+    finally:
+        job.cancel()
+        release()
+
+
+def _sse(data: dict[str, Any]) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def _unknown_model(model: str) -> ApiError:
+    return ApiError(f"model {model!r} is not served here (GET /v1/models lists the one that is)", 404,
+                    param="model", code="model_not_found")
+
+
+async def _api_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    log.warning("%d %s", exc.status, exc.message)
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _http_error(_: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    return JSONResponse(ApiError(exc.detail, exc.status_code).body(), status_code=exc.status_code)
+
+
+async def _client_gone(_: Request, __: Exception) -> Response:
+    return Response(status_code=499)  # nobody reads it; the status is for the access log
+
+
+async def _unexpected_error(_: Request, exc: Exception) -> Response:
+    log.exception("request failed")
+    error = ApiError(f"internal error: {type(exc).__name__}: {exc}", 500, type="server_error")
+    return JSONResponse(error.body(), status_code=500)

@@ -1,0 +1,147 @@
+"""Request media as files: base64 data (data: URLs, input_audio) decoded into a content-addressed cache, so the same
+bytes always map to the same path and the runtime sees the same conversation across stateless requests."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import os
+import threading
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from builder_plugin import runtime
+from builder_plugin.serve.errors import ApiError
+
+# The runtime's image decoder reads PNG and JPEG only; other content can end the process, so it is refused here.
+IMAGE_SIGNATURES = {b"\x89PNG\r\n\x1a\n": ".png", b"\xff\xd8\xff": ".jpg"}
+AUDIO_FORMATS = {"wav": ".wav", "mp3": ".mp3", "flac": ".flac"}
+
+
+class MediaCache:
+    """A folder of media files named by the sha256 of their bytes, holding at most about `max_bytes`.
+
+    Files a request still uses are pinned (``store`` pins, ``release`` unpins); the least recently stored unpinned
+    files are deleted when the folder grows past its bound."""
+
+    def __init__(self, folder: str | Path, max_bytes: int) -> None:
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.max_bytes = max_bytes
+        self._pins: Counter[Path] = Counter()
+        self._lock = threading.Lock()
+
+    def store(self, data: bytes, suffix: str) -> Path:
+        path = self.folder / (hashlib.sha256(data).hexdigest() + suffix)
+        with self._lock:
+            if path.is_file():
+                os.utime(path)  # recently used: evicted last
+            else:
+                partial = path.with_name(path.name + ".part")
+                partial.write_bytes(data)
+                os.replace(partial, path)
+            self._pins[path] += 1
+            self._evict()
+        return path
+
+    def release(self, paths: Iterable[Path]) -> None:
+        with self._lock:
+            for path in paths:
+                self._pins[path] -= 1
+                if self._pins[path] <= 0:
+                    del self._pins[path]
+
+    def _evict(self) -> None:
+        files = []
+        for path in self.folder.iterdir():
+            try:
+                stat = path.stat()
+            except FileNotFoundError:
+                continue
+            files.append((stat.st_mtime, stat.st_size, path))
+        total = sum(size for _, size, _ in files)
+        for _, size, path in sorted(files):
+            if total <= self.max_bytes:
+                break
+            if path not in self._pins:
+                path.unlink(missing_ok=True)
+                total -= size
+
+
+class MediaReader:
+    """Turns the media parts of one request into files; `labels` names each file by its place in the request (for
+    error messages), `paths` lists the cache files to release when the request is over."""
+
+    def __init__(self, cache: MediaCache, allow_local_files: bool = False) -> None:
+        self.cache = cache
+        self.allow_local_files = allow_local_files
+        self.labels: dict[Path, str] = {}
+        self.stored: list[Path] = []
+
+    def image(self, url: object, param: str) -> Path:
+        if not isinstance(url, str):
+            raise ApiError(f"{param}: the image URL must be a string", param=param)
+        if url.startswith("file:"):
+            path = self._local_file(url, param)
+        elif url.startswith("data:"):
+            data = decode_base64(_data_url_payload(url, param), param)
+            signature = next((s for s in IMAGE_SIGNATURES if data.startswith(s)), None)
+            if signature is None:
+                raise ApiError(f"{param}: the image is not a PNG or JPEG file", param=param,
+                               code="invalid_image_format")
+            path = self._store(data, IMAGE_SIGNATURES[signature])
+        else:
+            scheme = urlparse(url).scheme or url[:16]
+            raise ApiError(f"{param}: image URLs must be data: URLs ({scheme!r} is not fetched by this server)",
+                           param=param, code="invalid_image_url")
+        self.labels[path] = param
+        return path
+
+    def audio(self, data: object, audio_format: object, param: str) -> Path:
+        if audio_format not in AUDIO_FORMATS:
+            raise ApiError(f"{param}.format: audio format must be one of {', '.join(AUDIO_FORMATS)}, "
+                           f"not {audio_format!r}", param=f"{param}.format", code="invalid_audio_format")
+        if not isinstance(data, str):
+            raise ApiError(f"{param}.data: base64 audio data (a string) is required", param=f"{param}.data")
+        path = self._store(decode_base64(data, f"{param}.data"), AUDIO_FORMATS[audio_format])
+        self.labels[path] = param
+        return path
+
+    def _store(self, data: bytes, suffix: str) -> Path:
+        path = self.cache.store(data, suffix)
+        self.stored.append(path)
+        return path
+
+    def _local_file(self, url: str, param: str) -> Path:
+        if not self.allow_local_files:
+            raise ApiError(f"{param}: file:// URLs are refused (start the server with --allow-local-files)",
+                           param=param, code="local_files_not_allowed")
+        parsed = urlparse(url)
+        if parsed.netloc not in ("", "localhost"):
+            raise ApiError(f"{param}: file:// URLs must name a local path", param=param, code="invalid_image_url")
+        try:
+            return runtime.check_image(unquote(parsed.path))
+        except runtime.ChatError as exc:
+            raise ApiError(f"{param}: {exc}", param=param, code="invalid_image_format") from None
+
+
+def decode_base64(text: str, param: str) -> bytes:
+    try:
+        data = base64.b64decode("".join(text.split()), validate=True)
+    except (binascii.Error, ValueError):
+        raise ApiError(f"{param}: not valid base64 data", param=param, code="invalid_base64") from None
+    if not data:
+        raise ApiError(f"{param}: the data is empty", param=param, code="invalid_base64")
+    return data
+
+
+def _data_url_payload(url: str, param: str) -> str:
+    """The base64 text of ``data:[<media type>];base64,<data>``."""
+    header, comma, payload = url.partition(",")
+    if not comma or not header.endswith(";base64"):
+        raise ApiError(f"{param}: a data: URL must be data:<media type>;base64,<data>", param=param,
+                       code="invalid_image_url")
+    return payload

@@ -1,0 +1,561 @@
+"""builder_plugin.serve: the OpenAI chat-completions server on the tiny package, called with the official openai
+client. Every answer is compared with a Chat run independently on the same package (greedy search)."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+
+from builder_plugin.runtime import Chat, ChatError, Sampling
+from builder_plugin.serve.app import MB, Server
+from builder_plugin.serve.errors import ApiError
+from builder_plugin.serve.media import MediaCache, MediaReader
+from builder_plugin.serve.protocol import parse_conversation
+from builder_plugin.serve.stop import StopScanner
+from builder_plugin.testing.media import make_wav
+
+IMAGE = "square.png"
+AUDIO = "clip_2s.wav"
+SHORT = 6  # max_tokens of most requests: the tiny model makes ~200 tokens/s
+
+
+class ProbeChat(Chat):
+    """The server's Chat, with a gate that holds the worker inside ask (for the queue tests) and a record of
+    whether each restore was handed the conversation already held (the condition for reusing it)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.restores_unchanged: list[bool] = []
+
+    def restore(self, turns):
+        self.restores_unchanged.append(list(turns) == self.turns)
+        super().restore(turns)
+
+    def ask(self, *args, **kwargs):
+        self.gate.wait(timeout=60)
+        return super().ask(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def package(tiny_package) -> Path:
+    return tiny_package
+
+
+@pytest.fixture(scope="module")
+def served_chat(package) -> ProbeChat:
+    """The Chat behind the servers (shared by the tests so its models load once)."""
+    return ProbeChat(package)
+
+
+@pytest.fixture(scope="module")
+def chat(package) -> Chat:
+    """The yardstick: a Chat of its own on the same package."""
+    return Chat(package)
+
+
+@dataclass
+class Running:
+    url: str
+    routes: Server
+
+    def client(self, **options) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0, **options)
+
+
+@contextlib.contextmanager
+def running_server(chat: Chat, folder: Path, **options) -> Iterator[Running]:
+    """A uvicorn server for `chat` on a free 127.0.0.1 port, in a thread; stopped on exit."""
+    routes = Server(chat, MediaCache(folder / "media-cache", 64 * MB), **options)
+    listener = socket.create_server(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(routes.app(), log_level="warning", timeout_graceful_shutdown=5))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield Running(f"http://127.0.0.1:{listener.getsockname()[1]}", routes)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=20)
+        listener.close()
+        assert not thread.is_alive(), "the server did not stop"
+
+
+@pytest.fixture
+def server(served_chat, tmp_path) -> Iterator[Running]:
+    served_chat.gate.set()
+    with running_server(served_chat, tmp_path) as running:
+        yield running
+
+
+# ---- requests and the yardstick -----------------------------------------------------------------------------------
+
+
+def image_part(path: Path) -> dict:
+    mime = "image/png" if path.suffix == ".png" else "image/jpeg"
+    return {"type": "image_url", "image_url": {"url": f"data:{mime};base64,{_b64(path.read_bytes())}"}}
+
+
+def audio_part(path: Path, audio_format: str = "wav") -> dict:
+    return {"type": "input_audio", "input_audio": {"data": _b64(path.read_bytes()), "format": audio_format}}
+
+
+def user(text: str, images: tuple[Path, ...] = (), audios: tuple[Path, ...] = ()) -> dict:
+    """A user message with its media first (where Chat puts their tags when the text writes none)."""
+    if not images and not audios:
+        return {"role": "user", "content": text}
+    parts = [image_part(p) for p in images] + [audio_part(p) for p in audios] + [{"type": "text", "text": text}]
+    return {"role": "user", "content": parts}
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+@dataclass
+class Answer:
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+
+
+def ask_server(client: openai.OpenAI, messages: list[dict], stream: bool = False, **params) -> Answer:
+    params.setdefault("max_tokens", SHORT)
+    model = client.models.list().data[0].id
+    if not stream:
+        response = client.chat.completions.create(model=model, messages=messages, **params)
+        choice = response.choices[0]
+        assert response.object == "chat.completion" and choice.message.role == "assistant"
+        assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+        return Answer(choice.message.content, choice.finish_reason, response.usage.prompt_tokens,
+                      response.usage.completion_tokens)
+    chunks = list(client.chat.completions.create(model=model, messages=messages, stream=True,
+                                                 stream_options={"include_usage": True}, **params))
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    *content, final, usage_chunk = chunks
+    assert all(c.choices[0].finish_reason is None for c in content)
+    assert final.choices[0].finish_reason is not None and not final.choices[0].delta.content
+    assert usage_chunk.choices == [] and usage_chunk.usage is not None
+    text = "".join(c.choices[0].delta.content or "" for c in content)
+    return Answer(text, final.choices[0].finish_reason, usage_chunk.usage.prompt_tokens,
+                  usage_chunk.usage.completion_tokens)
+
+
+def ask_chat(chat: Chat, questions: list[tuple[str, tuple[Path, ...], tuple[Path, ...]]], system: str | None = None,
+             max_new_tokens: int = SHORT, sampling: Sampling | None = None) -> list[Answer]:
+    """The answers of a fresh conversation with `chat`, one question after the other."""
+    chat.clear()
+    chat.system = system
+    answers = []
+    for text, images, audios in questions:
+        answer = "".join(chat.ask(text, images, audios, max_new_tokens=max_new_tokens, sampling=sampling))
+        stats = chat.last_stats
+        answers.append(Answer(answer, stats.finish_reason, stats.prompt_tokens, stats.new_tokens))
+    return answers
+
+
+# ---- answers equal Chat's -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize(("images", "audios"), [((), ()), ((IMAGE,), ()), ((), (AUDIO,)), ((IMAGE,), (AUDIO,))],
+                         ids=["text", "image", "audio", "image+audio"])
+def test_answer_equals_chat(server, chat, media_dir, stream, images, audios):
+    images = tuple(media_dir / name for name in images)
+    audios = tuple(media_dir / name for name in audios)
+    messages = [{"role": "system", "content": "You are a tester."}, user("Describe what you get.", images, audios)]
+    got = ask_server(server.client(), messages, stream=stream)
+    expected, = ask_chat(chat, [("Describe what you get.", images, audios)], system="You are a tester.")
+    assert got == expected
+    assert got.finish_reason == "length" and got.completion_tokens == SHORT
+
+
+def test_multi_turn_conversation_reuses_the_held_one(server, served_chat, chat, media_dir):
+    """Each request re-sends the conversation; the server restores it and asks the last question. After the first
+    request, the restored history is exactly what the server's Chat holds (same answers, same media paths)."""
+    questions = [("What is in this picture?", (media_dir / IMAGE,), ()), ("Tell me more.", (), ()),
+                 ("And now?", (), ())]
+    expected = ask_chat(chat, questions)
+    client = server.client()
+    messages: list[dict] = []
+    served_chat.restores_unchanged.clear()
+    for (text, images, audios), want in zip(questions, expected):
+        messages.append(user(text, images, audios))
+        got = ask_server(client, messages, stream=len(messages) == 3)
+        assert got == want
+        messages.append({"role": "assistant", "content": got.text})
+    assert served_chat.restores_unchanged[1:] == [True, True]
+
+
+def test_stop_strings(server, chat):
+    full, = ask_chat(chat, [("Count to ten.", (), ())], max_new_tokens=16)
+    middle = len(full.text) // 2
+    stop = full.text[middle:middle + 3]
+    cut = full.text[:full.text.find(stop)]
+    client = server.client()
+    for stream in (False, True):
+        got = ask_server(client, [user("Count to ten.")], stream=stream, max_tokens=16, stop=[stop, "never seen"])
+        assert (got.text, got.finish_reason) == (cut, "stop")
+    got = ask_server(client, [user("Count to ten.")], max_tokens=16, stop="never seen")
+    assert (got.text, got.finish_reason) == (full.text, full.finish_reason)
+
+
+def test_token_limits_and_sampling(server, chat):
+    client = server.client()
+    got = ask_server(client, [user("Hello!")], max_tokens=None, max_completion_tokens=3)
+    assert got == ask_chat(chat, [("Hello!", (), ())], max_new_tokens=3)[0]
+    sampling = Sampling(temperature=0.8, top_p=0.9, top_k=20, seed=7)
+    got = ask_server(client, [user("Hello!")], max_tokens=8, temperature=0.8, top_p=0.9, seed=7,
+                     extra_body={"top_k": 20})
+    assert got == ask_chat(chat, [("Hello!", (), ())], max_new_tokens=8, sampling=sampling)[0]
+
+
+def test_models_and_health(server, package):
+    client = server.client()
+    assert [m.id for m in client.models.list().data] == [package.name]
+    assert client.models.retrieve(package.name).id == package.name
+    health = httpx.get(f"{server.url}/health").json()
+    assert health["status"] == "ok" and health["model"] == package.name and not health["busy"]
+
+
+def test_local_files_only_when_allowed(served_chat, chat, media_dir, tmp_path):
+    url = (media_dir / IMAGE).as_uri()
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                             {"type": "text", "text": "What?"}]}]
+    with running_server(served_chat, tmp_path) as refusing:
+        with pytest.raises(openai.BadRequestError) as refused:
+            ask_server(refusing.client(), messages)
+        assert refused.value.code == "local_files_not_allowed"
+    with running_server(served_chat, tmp_path, allow_local_files=True) as allowing:
+        assert ask_server(allowing.client(), messages) == ask_chat(chat, [("What?", (media_dir / IMAGE,), ())])[0]
+
+
+# ---- bad input ----------------------------------------------------------------------------------------------------
+
+
+def _bad_requests(media_dir: Path, tmp_path: Path) -> dict[str, tuple[dict, int, str | None, str]]:
+    """name -> (request fields, status, error code, a piece of the message)."""
+    png = (media_dir / IMAGE).read_bytes()
+    gif = b"GIF89a" + bytes(64)
+    low_rate = make_wav(tmp_path / "low.wav", 1.0, sample_rate=6000)
+    image_msg = lambda data, mime="image/png": {"role": "user", "content": [  # noqa: E731
+        {"type": "image_url", "image_url": {"url": f"data:{mime};base64,{data}"}}, {"type": "text", "text": "?"}]}
+    audio_msg = lambda data, fmt="wav": {"role": "user", "content": [  # noqa: E731
+        {"type": "input_audio", "input_audio": {"data": data, "format": fmt}}, {"type": "text", "text": "?"}]}
+    return {
+        "unknown role": ({"messages": [{"role": "tool", "content": "x"}]}, 400, None, "unsupported role 'tool'"),
+        "part type": ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x"}}]}]},
+                      400, "unsupported_content_type", "unsupported part type 'video_url'"),
+        "image base64": ({"messages": [image_msg("not base64!")]}, 400, "invalid_base64", "not valid base64"),
+        "audio base64": ({"messages": [audio_msg("%%%")]}, 400, "invalid_base64", "not valid base64"),
+        "gif image": ({"messages": [image_msg(_b64(gif), "image/gif")]}, 400, "invalid_image_format",
+                      "not a PNG or JPEG"),
+        "wav as image": ({"messages": [image_msg(_b64((media_dir / AUDIO).read_bytes()))]}, 400,
+                         "invalid_image_format", "not a PNG or JPEG"),
+        "http image": ({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]}, 400, "invalid_image_url",
+            "must be data: URLs"),
+        "png as audio": ({"messages": [audio_msg(_b64(png))]}, 400, "invalid_media", "not a WAV, MP3 or FLAC"),
+        "6 kHz audio": ({"messages": [audio_msg(_b64(low_rate.read_bytes()))]}, 400, "invalid_media",
+                        "sample rates below 8000 Hz"),
+        "audio format": ({"messages": [audio_msg(_b64(png), "ogg")]}, 400, "invalid_audio_format", "wav, mp3, flac"),
+        "image tags": ({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{_b64(png)}"}},
+            {"type": "text", "text": "<|image_1|> and <|image_2|>?"}]}]}, 400, "invalid_media_tags",
+            "2 image tags (<|image_1|> <|image_2|>) but 1 image is attached"),
+        "context": ({"messages": [user("word " * 5000)]}, 400, "context_length_exceeded", "the prompt is"),
+        "last not user": ({"messages": [user("Hi"), {"role": "assistant", "content": "Hello"}]}, 400, None,
+                          "the last message must be a user message"),
+        "assistant first": ({"messages": [{"role": "assistant", "content": "Hello"}, user("Hi")]}, 400, None,
+                            "must answer a user message"),
+        "temperature": ({"messages": [user("Hi")], "temperature": 3}, 400, None, "temperature"),
+        "n": ({"messages": [user("Hi")], "n": 2}, 400, None, "only one choice"),
+        "model": ({"messages": [user("Hi")], "model": "gpt-5"}, 404, "model_not_found", "'gpt-5' is not served"),
+    }
+
+
+BAD_REQUESTS = ["unknown role", "part type", "image base64", "audio base64", "gif image", "wav as image", "http image",
+                "png as audio", "6 kHz audio", "audio format", "image tags", "context", "last not user",
+                "assistant first", "temperature", "n", "model"]
+
+
+def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, chat, media_dir, tmp_path):
+    cases = _bad_requests(media_dir, tmp_path)
+    assert sorted(cases) == sorted(BAD_REQUESTS)
+    client = server.client()
+    for name, (fields, status, code, message) in cases.items():
+        fields.setdefault("model", server.routes.model_id)
+        with pytest.raises(openai.APIStatusError) as caught:
+            client.chat.completions.create(**fields, max_tokens=SHORT)
+        error = caught.value
+        assert (error.status_code, error.code) == (status, code), name
+        assert message in error.message and "\n" not in error.body["message"], name
+        assert str(server.routes.media_cache.folder) not in error.body["message"], name  # no server paths
+    # Streaming requests fail the same way, before any chunk.
+    with pytest.raises(openai.BadRequestError, match="the prompt is"):
+        client.chat.completions.create(model=server.routes.model_id, messages=[user("word " * 5000)], stream=True)
+    assert ask_server(client, [user("Hello!")]) == ask_chat(chat, [("Hello!", (), ())])[0]
+
+
+def test_malformed_json_and_unknown_paths(server):
+    for body in (b"{not json", b"[1, 2]", "\u00e9".encode("latin-1")):
+        response = httpx.post(f"{server.url}/v1/chat/completions", content=body,
+                              headers={"content-type": "application/json"})
+        assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_json"
+    response = httpx.get(f"{server.url}/v1/nothing")
+    assert response.status_code == 404 and "error" in response.json()
+
+
+def test_body_over_the_limit(served_chat, media_dir, tmp_path):
+    with running_server(served_chat, tmp_path, max_body_bytes=MB // 8) as small:
+        big = "x" * (MB // 4)
+        with pytest.raises(openai.APIStatusError) as caught:
+            ask_server(small.client(), [user(big)])
+        assert caught.value.status_code == 413 and "--max-body-mb" in caught.value.message
+        # a chunked body (no content-length) is cut off as well
+        chunks = (json.dumps({"messages": [user(big)]})[i:i + 4096].encode() for i in range(0, MB // 4 + 100, 4096))
+        response = httpx.post(f"{small.url}/v1/chat/completions", content=chunks)
+        assert response.status_code == 413
+        assert ask_server(small.client(), [user("Hi")]).text
+
+
+def test_audio_on_a_package_without_speech(package, media_dir, tmp_path):
+    folder = tmp_path / "no-speech"
+    folder.mkdir()
+    for path in package.iterdir():
+        if path.name != "genai_config.json":
+            (folder / path.name).symlink_to(path)
+    config = json.loads((package / "genai_config.json").read_text())
+    config["model"]["speech"] = {"config_filename": ""}
+    (folder / "genai_config.json").write_text(json.dumps(config))
+    with running_server(Chat(folder), tmp_path) as no_speech:
+        with pytest.raises(openai.BadRequestError) as caught:
+            ask_server(no_speech.client(), [user("Listen.", audios=(media_dir / AUDIO,))])
+        assert caught.value.code == "audio_not_supported"
+
+
+class FailingChat(Chat):
+    """A Chat whose answers fail after their first piece: with a ChatError ("model" failures) or a bug."""
+
+    failure: type[Exception] = ChatError
+
+    def ask(self, *args, **kwargs):
+        pieces = super().ask(*args, **kwargs)
+
+        def fail_after_one():
+            with contextlib.closing(pieces):
+                yield next(pieces)
+                raise self.failure("the model failed on purpose")
+
+        return fail_after_one()
+
+
+def test_failures_while_answering(package, tmp_path):
+    failing = FailingChat(package)
+    with running_server(failing, tmp_path) as running:
+        client = running.client()
+        with pytest.raises(openai.APIError, match="the model failed on purpose"):
+            list(client.chat.completions.create(model=running.routes.model_id, messages=[user("Hi")], stream=True,
+                                                max_tokens=SHORT))
+        failing.failure = KeyError  # a bug: 500, and the next request is served
+        with pytest.raises(openai.InternalServerError, match="internal error: KeyError"):
+            ask_server(client, [user("Hi")])
+        failing.failure = ChatError
+        with pytest.raises(openai.BadRequestError, match="the model failed on purpose"):
+            ask_server(client, [user("Hi")])
+        assert httpx.get(f"{running.url}/health").json()["status"] == "ok"
+
+
+# ---- queue, concurrency, disconnects ------------------------------------------------------------------------------
+
+
+def test_many_clients_at_once(served_chat, chat, media_dir, tmp_path):
+    """8 clients, each a 10-question conversation (one with an image, some streamed): every answer equals Chat's for
+    that client's conversation, in order; with room for every client in the queue, none is refused."""
+    clients, rounds = 8, 10
+    questions = {c: [(f"Client {c}, question {r}.", (media_dir / IMAGE,) if c == 0 and r == 0 else (), ())
+                     for r in range(rounds)] for c in range(clients)}
+    expected = {c: ask_chat(chat, questions[c], max_new_tokens=3) for c in range(clients)}
+    got: dict[int, list[Answer]] = {c: [] for c in range(clients)}
+    failures: list[BaseException] = []
+
+    def converse(c: int, client: openai.OpenAI) -> None:
+        messages: list[dict] = []
+        try:
+            for r, (text, images, audios) in enumerate(questions[c]):
+                messages.append(user(text, images, audios))
+                answer = ask_server(client, messages, stream=(c + r) % 3 == 0, max_tokens=3)
+                got[c].append(answer)
+                messages.append({"role": "assistant", "content": answer.text})
+        except BaseException as exc:
+            failures.append(exc)
+
+    with running_server(served_chat, tmp_path, max_queue=clients) as running:
+        threads = [threading.Thread(target=converse, args=(c, running.client())) for c in range(clients)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    assert not failures, failures[0]
+    assert got == expected
+
+
+def _wait_for(condition, what: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def test_full_queue_answers_429(served_chat, chat, tmp_path):
+    """max_queue=1: one request being answered (held at the gate), one waiting; the third is refused with 429, and the
+    first two are answered correctly once the gate opens."""
+    results: dict[str, Answer | BaseException] = {}
+
+    def send(name: str, client: openai.OpenAI) -> None:
+        try:
+            results[name] = ask_server(client, [user(f"Request {name}.")])
+        except BaseException as exc:
+            results[name] = exc
+
+    served_chat.gate.clear()
+    try:
+        with running_server(served_chat, tmp_path, max_queue=1) as running:
+            health = lambda: httpx.get(f"{running.url}/health").json()  # noqa: E731
+            first = threading.Thread(target=send, args=("A", running.client()))
+            first.start()
+            _wait_for(lambda: health()["busy"], "the first request to be answered")
+            second = threading.Thread(target=send, args=("B", running.client()))
+            second.start()
+            _wait_for(lambda: health()["waiting"] == 1, "the second request to wait")
+            with pytest.raises(openai.RateLimitError) as refused:
+                ask_server(running.client(), [user("Request C.")])
+            assert refused.value.code == "queue_full"
+            served_chat.gate.set()
+            first.join(timeout=30)
+            second.join(timeout=30)
+            assert ask_server(running.client(), [user("Request C.")]) == ask_chat(chat, [("Request C.", (), ())])[0]
+    finally:
+        served_chat.gate.set()
+    for name in ("A", "B"):
+        assert results[name] == ask_chat(chat, [(f"Request {name}.", (), ())])[0]
+
+
+def test_disconnect_stops_generation(server, served_chat, chat):
+    long = 3000  # ~15 s of tokens: a disconnect must end it long before
+    body = {"model": server.routes.model_id, "messages": [user("Talk for a long time.")], "max_tokens": long,
+            "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/chat/completions", json=body) as response:
+        lines = response.iter_lines()
+        assert sum(1 for line, _ in zip(lines, range(6)) if line.startswith("data: ")) > 2
+    health = lambda: httpx.get(f"{server.url}/health").json()  # noqa: E731
+    _wait_for(lambda: not health()["busy"], "the stream to stop", timeout=10)
+    assert served_chat.last_stats.new_tokens < long / 2
+
+    # A non-streamed request whose client gives up is stopped as well.
+    with pytest.raises(openai.APITimeoutError):
+        ask_server(server.client(timeout=0.5), [user("Talk for a long time.")], max_tokens=long)
+    _wait_for(lambda: not health()["busy"], "the request to stop", timeout=10)
+    assert served_chat.last_stats.new_tokens < long / 2
+    assert ask_server(server.client(), [user("Hello!")]) == ask_chat(chat, [("Hello!", (), ())])[0]
+
+
+# ---- command line -------------------------------------------------------------------------------------------------
+
+
+def test_cli_serves_a_package(package, tmp_path):
+    command = [sys.executable, "-m", "builder_plugin.serve", str(package), "--port", "0", "--media-cache",
+               str(tmp_path / "cache")]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        line = process.stdout.readline()
+        assert line.startswith(f"serving {package.name} at http://127.0.0.1:"), line
+        url = line.split(" at ")[1].strip()
+        assert httpx.get(url.removesuffix("/v1") + "/health").json()["status"] == "ok"
+        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+        assert ask_server(client, [user("Hi")]).text
+    finally:
+        process.terminate()
+        process.wait(timeout=20)
+
+
+def test_cli_errors_are_one_line(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "builder_plugin.serve", str(tmp_path / "nowhere")],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [f"error: package folder not found: {tmp_path / 'nowhere'}"]
+    verbose = subprocess.run([sys.executable, "-m", "builder_plugin.serve", str(tmp_path / "nowhere"), "-v"],
+                             capture_output=True, text=True, timeout=60)
+    assert verbose.returncode != 0 and "Traceback" in verbose.stderr
+
+
+# ---- parts without a model ----------------------------------------------------------------------------------------
+
+
+def test_stop_scanner_holds_back_what_may_start_a_stop_string():
+    scanner = StopScanner(["END", "xy"])
+    fed = [scanner.feed(piece) for piece in ("ab", "cE", "N", "x", "zE", "ND more")]
+    assert fed == [("ab", False), ("c", False), ("", False), ("EN", False), ("xz", False), ("", True)]
+    scanner = StopScanner(["abc"])
+    assert (scanner.feed("xxab"), scanner.feed("d"), scanner.flush()) == (("xx", False), ("abd", False), "")
+
+
+def test_messages_become_turns(media_dir, tmp_path):
+    media = MediaReader(MediaCache(tmp_path / "cache", MB))
+    png = image_part(media_dir / IMAGE)
+    conversation = parse_conversation([
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Compare"}, png, {"type": "text", "text": "and"},
+                                     png]},
+        {"role": "assistant", "content": [{"type": "text", "text": "Same."}]},
+        {"role": "user", "content": "Why?"},
+        {"role": "user", "content": [{"type": "text", "text": "Where is <|audio_1|>?"}, audio_part(media_dir / AUDIO)]},
+    ], media)
+    assert conversation.system == "Be brief."
+    first, = conversation.history
+    assert (first.user, first.assistant) == ("Compare<|image_1|>and<|image_2|>", "Same.")
+    assert first.images[0] == first.images[1] and first.images[0].parent == tmp_path / "cache"  # same bytes, one file
+    assert conversation.question.user == "Why?\nWhere is <|audio_1|>?"
+    assert conversation.question.audios[0].suffix == ".wav"
+
+
+def test_media_cache_is_bounded_and_keeps_files_in_use(tmp_path):
+    cache = MediaCache(tmp_path / "cache", max_bytes=250)
+    first = cache.store(b"a" * 100, ".wav")
+    assert cache.store(b"a" * 100, ".wav") == first
+    second = cache.store(b"b" * 100, ".wav")
+    third = cache.store(b"c" * 100, ".wav")  # over the bound, but all three are pinned
+    assert first.is_file() and second.is_file() and third.is_file()
+    cache.release([first, first, second])
+    cache.store(b"d" * 100, ".wav")
+    assert not first.is_file() and not second.is_file() and third.is_file()
+    with pytest.raises(ApiError, match="not valid base64"):
+        MediaReader(cache).audio("***", "wav", "x")
+
+
+def test_disguised_file_url_is_refused(media_dir, tmp_path):
+    disguised = tmp_path / "sound.png"
+    shutil.copy(media_dir / AUDIO, disguised)
+    with pytest.raises(ApiError, match="not a PNG or JPEG image"):
+        MediaReader(MediaCache(tmp_path / "cache", MB), allow_local_files=True).image(disguised.as_uri(), "url")

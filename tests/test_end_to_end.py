@@ -2,9 +2,9 @@
 onnxruntime-genai's og.Generator for every input mode, against the PyTorch reference (transformers' native model with
 the LoRA and audio projection of the mode), fed the very same processor tensors.
 
-For each mode: the decoder the runtime picks (the one self-routing decoder), the first-step logits (prefill, last position) and >= 16 greedy
-tokens. A token may differ only where the reference's top-2 logits are a near-tie; the sequences may then
-legitimately diverge, so the comparison stops there.
+For each mode: the decoder the runtime picks (the one self-routing decoder), the first-step logits (prefill, last
+position) and >= 16 greedy tokens. A token may differ only where the reference's top-2 logits are a near-tie; the
+sequences may then legitimately diverge, so the comparison stops there.
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@
 - Generators are sized to the conversation plus ``follow_up_room`` tokens, not to ``max_length``: the runtime
   allocates (and zero-fills) the KV cache for its whole length up front, 256 KiB per token for the real model in fp32.
   A follow-up that does not fit restarts from the conversation's token ids in a larger generator.
+- Answers keep their token ids: a conversation prompted again from its turns (new media, ``restore``, a follow-up
+  that does not fit) gets the ids the answers were generated as, not a re-tokenisation of their text, so it is the
+  same token sequence whichever way it is run. ``restore`` finds them for turns that were answered here recently.
 - LongRoPE: the first time the sequence grows past ``original_max_position_embeddings`` (from the package manifest)
   the whole cache is recomputed with the long factors, once per conversation, as the original model's generation
   does; the runtime does not do this for phi4mm. It costs one prefill of that many tokens (media encoded again).
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -32,10 +36,11 @@ import onnxruntime_genai as og
 from builder_plugin.runtime.errors import ChatError, PackageError, PromptTooLongError, UnsupportedMediaError, first_line
 from builder_plugin.runtime.manifest import Manifest, mode_of
 from builder_plugin.runtime.media import check_audio, check_image, decoder_reason
-from builder_plugin.runtime.prompt import END, Turn, build_prompt, user_content, user_turn
+from builder_plugin.runtime.prompt import ASSISTANT, END, Turn, build_prompt, user_content, user_turn
 
 GENAI_CONFIG_FILE = "genai_config.json"
 FOLLOW_UP_ROOM = 1024  # tokens of KV cache kept free for follow-up questions beyond the answer's max_new_tokens
+ANSWER_MEMORY = 256  # answers whose token ids are remembered for conversations restored from text
 
 
 @dataclass(frozen=True)
@@ -142,6 +147,7 @@ class Chat:
         self.last_logits: list[np.ndarray] = []
         self._models: dict[str, _Loaded] = {}
         self._live: _Live | None = None
+        self._answers: OrderedDict[tuple, tuple[int, ...]] = OrderedDict()  # (system, turns so far) -> answer ids
 
         config_path = self.package_dir / GENAI_CONFIG_FILE
         if not self.package_dir.is_dir():
@@ -237,6 +243,10 @@ class Chat:
             raise ValueError("restored turns must all be answered")
         if turns == self.turns:
             return
+        for i, turn in enumerate(turns):
+            if turn.answer_ids is None:
+                ids = self._answers.get((self.system, tuple(turns[:i + 1])))
+                turns[i] = replace(turn, answer_ids=ids) if ids is not None else turn
         self.turns = turns
         self._drop_live()
 
@@ -256,7 +266,7 @@ class Chat:
             prompt = build_prompt(conversation, self.system)
             request = self._prepare(prompt, [p for t in conversation for p in t.images],
                                     [p for t in conversation for p in t.audios], max_new_tokens, sampling,
-                                    room=self.follow_up_room)
+                                    room=self.follow_up_room, turns=conversation)
         return self._answer(request, max_new_tokens, turn)
 
     def _follow_up(self, turn: Turn, max_new_tokens: int, sampling: Sampling) -> _Request | None:
@@ -284,20 +294,30 @@ class Chat:
 
     def _answer(self, request: _Request, max_new_tokens: int, turn: Turn) -> Iterator[str]:
         pieces: list[str] = []
+        ids: list[int] = []
         try:
-            for _, piece in self._run(request, max_new_tokens, keep=True):
+            for token, piece in self._run(request, max_new_tokens, keep=True):
+                if piece or not self._is_eos(token):
+                    ids.append(token)
                 pieces.append(piece)
                 yield piece
         except ChatError:
             self._drop_live()
             raise  # the model failed: nothing was said
         except BaseException:
-            self._record(replace(turn, assistant="".join(pieces)))  # stopped early: keep what was said
+            self._record(replace(turn, assistant="".join(pieces), answer_ids=tuple(ids)))  # stopped early
             raise
-        self._record(replace(turn, assistant="".join(pieces)))
+        self._record(replace(turn, assistant="".join(pieces), answer_ids=tuple(ids)))
+
+    def _is_eos(self, token: int) -> bool:
+        live = self._live
+        return live is not None and token in {int(t) for t in live.loaded.tokenizer.eos_token_ids}
 
     def _record(self, turn: Turn) -> None:
         self.turns.append(turn)
+        self._answers[self.system, tuple(self.turns)] = turn.answer_ids
+        while len(self._answers) > ANSWER_MEMORY:
+            self._answers.popitem(last=False)
         if self._live is not None:
             self._live.turns = list(self.turns)
 
@@ -325,13 +345,16 @@ class Chat:
         return Generation(inputs, tokens, "".join(pieces), request.variant, self.last_stats)
 
     def _prepare(self, prompt: str, images: Sequence[Path], audios: Sequence[Path], max_new_tokens: int,
-                 sampling: Sampling, room: int) -> _Request:
+                 sampling: Sampling, room: int, turns: Sequence[Turn] = ()) -> _Request:
         if audios and not self.has_speech:
             raise PackageError("this package has no speech model, so it cannot take audio")
         variant = self.variant_for(bool(images), bool(audios))
         loaded = self._load(variant)
         started = time.perf_counter()
         inputs = self._process(loaded, prompt, images, audios)
+        if any(t.answer_ids is not None for t in turns):
+            ids = _with_answer_ids(inputs["input_ids"].as_numpy()[0].tolist(), turns, loaded.tokenizer)
+            inputs = _with_ids(inputs, ids)
         prompt_tokens = int(inputs["input_ids"].as_numpy().shape[-1])
         if prompt_tokens >= self.max_length:
             raise PromptTooLongError(f"the prompt is {prompt_tokens} tokens but the maximum length is "
@@ -464,6 +487,25 @@ class Chat:
     def _end_id(tokenizer: Any) -> int:
         (end,) = tokenizer.encode(END)
         return int(end)
+
+
+def _with_answer_ids(ids: list[int], turns: Sequence[Turn], tokenizer: Any) -> list[int]:
+    """The prompt ids with each answer's span (between its turn's <|assistant|> and the next <|end|>) replaced by the
+    ids it was generated as; unchanged when the prompt's <|assistant|> ids do not pair up with the turns."""
+    (assistant,) = tokenizer.encode(ASSISTANT)
+    (end,) = tokenizer.encode(END)
+    starts = [i + 1 for i, t in enumerate(ids) if t == assistant]
+    if len(starts) != len(turns):
+        return ids
+    out: list[int] = []
+    done = 0
+    for start, turn in zip(starts, turns):
+        if turn.answer_ids is None or turn.assistant is None:
+            continue
+        stop = ids.index(end, start) if end in ids[start:] else len(ids)
+        out += ids[done:start] + list(turn.answer_ids)
+        done = stop
+    return out + ids[done:]
 
 
 def _with_ids(inputs: Any, ids: list[int]) -> Any:

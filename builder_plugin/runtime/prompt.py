@@ -4,24 +4,27 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from builder_plugin.runtime.errors import TagMismatchError
 
 END = "<|end|>"  # end of a turn; also the end-of-sequence token that closes an answer
+ASSISTANT = "<|assistant|>"
 _TAG = re.compile(r"<\|(image|audio)_(\d+)\|>")
 _PLACEHOLDER = re.compile(r"<\|endoftext1[01]\|>")
 
 
 @dataclass(frozen=True)
 class Turn:
-    """One question with its attached files and, once answered, the answer."""
+    """One question with its attached files and, once answered, the answer (and, when known, the token ids the
+    answer was generated as: a prompt rebuilt from the turns then uses them instead of re-tokenising the text)."""
 
     user: str
     images: tuple[Path, ...] = ()
     audios: tuple[Path, ...] = ()
     assistant: str | None = None
+    answer_ids: tuple[int, ...] | None = field(default=None, compare=False)
 
 
 def check_tags(text: str, num_images: int, num_audios: int) -> None:
@@ -82,4 +85,4 @@ def build_prompt(turns: Sequence[Turn | str], system: str | None = None) -> str:
 
 def user_turn(content: str) -> str:
     """One question in the chat format, ending with the assistant's cue."""
-    return f"<|user|>{content}{END}<|assistant|>"
+    return f"<|user|>{content}{END}{ASSISTANT}"

@@ -115,3 +115,33 @@ def test_follow_up_crossing_the_switch_restarts_over_the_same_ids(tiny_package, 
     expected = reference.prefill_and_greedy({"input_ids": np.array([ids[:stats.prompt_tokens]], np.int64)},
                                             max_new_tokens=5)
     _assert_matches(chat, ids[stats.prompt_tokens:], expected, "follow-up past the switch")
+
+
+def test_a_conversation_prompted_again_has_the_same_ids(tiny_package, media_dir):
+    """Kept generator, a new Chat given the turns, the same Chat after another conversation (turns restored from
+    their text), and after release(): the same token ids each way (answers are never re-tokenised)."""
+    image = media_dir / "square.png"
+    live = Chat(tiny_package)
+    list(live.ask("Describe it.", [image], max_new_tokens=3))
+    first = list(live.turns)
+    list(live.ask("And then?", max_new_tokens=3))
+    want = live.token_ids
+    assert live.last_stats.reused_tokens > 0
+
+    other = Chat(tiny_package)
+    other.restore(first)  # turns carry their answer ids
+    list(other.ask("And then?", max_new_tokens=3))
+    assert other.last_stats.reused_tokens == 0 and other.token_ids == want
+
+    live.clear()
+    list(live.ask("Something else.", max_new_tokens=2))
+    live.restore([Turn(t.user, t.images, t.audios, t.assistant) for t in first])  # text only, as a client sends it
+    list(live.ask("And then?", max_new_tokens=3))
+    assert live.last_stats.reused_tokens == 0 and live.token_ids == want
+
+    live.release()
+    list(live.ask("Why?", max_new_tokens=2))
+    again = Chat(tiny_package)
+    again.restore(live.turns[:-1])
+    list(again.ask("Why?", max_new_tokens=2))
+    assert again.token_ids == live.token_ids

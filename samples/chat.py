@@ -157,8 +157,9 @@ def answer(chat: runtime.Chat, text: str, images: list[Path], audios: list[Path]
 def format_stats(stats: runtime.Stats | None) -> str:
     if stats is None:
         return ""
+    reused = f" ({stats.reused_tokens} kept from the conversation)" if stats.reused_tokens else ""
     return (f"[{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s, first token after "
-            f"{stats.time_to_first_token_s:.2f} s, prompt {stats.prompt_tokens} tokens, {stats.variant}]")
+            f"{stats.time_to_first_token_s:.2f} s, prompt {stats.prompt_tokens} tokens{reused}, {stats.variant}]")
 
 
 def _load_for(chat: runtime.Chat, images: list[Path], audios: list[Path], out: TextIO) -> None:

@@ -17,7 +17,8 @@ from builder_plugin.runtime import Turn, build_prompt, generate
 
 CHAT = Path(__file__).resolve().parents[2] / "samples" / "chat.py"
 TIMEOUT_S = 300
-STATS = re.compile(r"\[(\d+) tokens, [\d.]+ tokens/s, first token after [\d.]+ s, prompt (\d+) tokens, (\S+\.onnx)\]")
+STATS = re.compile(r"\[(\d+) tokens, [\d.]+ tokens/s, first token after [\d.]+ s, prompt (\d+) tokens"
+                   r"(?: \((\d+) kept from the conversation\))?, (\S+\.onnx)\]")
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def test_prompt_mode_with_image_and_audio(package, media_dir, reference):
     assert result.returncode == 0, result.stderr
     stats = STATS.search(result.stderr)
     assert stats, result.stderr
-    assert int(stats[1]) == 6 and stats[3] == "phi-4-mm-text.onnx"
+    assert int(stats[1]) == 6 and stats[4] == "phi-4-mm-text.onnx"
 
     # The printed answer is the reference model's greedy answer (vision LoRA, vision audio projection).
     prompt = build_prompt([Turn("What do you see and hear?", (image,), (audio,))])
@@ -126,7 +127,7 @@ def test_interactive_chat(package, media_dir):
         terminal.expect(r"> ")
         terminal.send("Hello, who are you?")
         stats = terminal.expect(STATS.pattern)
-        assert int(stats[1]) == 4 and stats[3] == "phi-4-mm-text.onnx"
+        assert int(stats[1]) == 4 and stats[4] == "phi-4-mm-text.onnx"
 
         terminal.expect(r"> ")
         terminal.send(f"/image {media_dir / 'square.png'}")
@@ -137,7 +138,12 @@ def test_interactive_chat(package, media_dir):
         terminal.expect(r"> ")
         terminal.send("What is in the picture?")
         stats = terminal.expect(STATS.pattern)
-        assert stats[3] == "phi-4-mm-text.onnx"
+        assert stats[4] == "phi-4-mm-text.onnx" and stats[3] is None
+
+        terminal.expect(r"> ")
+        terminal.send("And the colours?")  # a follow-up without media: the conversation's cache is kept
+        stats = terminal.expect(STATS.pattern)
+        assert int(stats[3]) > int(stats[2]) // 2
 
         terminal.expect(r"> ")
         terminal.send("/help")

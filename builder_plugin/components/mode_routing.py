@@ -177,18 +177,19 @@ def route_lora_branches(model: ir.Model, is_vision: ir.Value, is_speech: ir.Valu
         if match:
             groups[match["owner"]][match["adapter"]] = node
     routed = 0
+    conditions = {"vision": is_vision, "speech": is_speech}
     for owner, a_nodes in groups.items():
-        if set(a_nodes) != set(ROUTED_ADAPTERS):
-            raise ValueError(f"{owner}: LoRA adapters {sorted(a_nodes)}, expected {list(ROUTED_ADAPTERS)}")
+        if not set(a_nodes) <= set(ROUTED_ADAPTERS):
+            raise ValueError(f"{owner}: LoRA adapters {sorted(a_nodes)}, expected some of {list(ROUTED_ADAPTERS)}")
         sites = _sites(a_nodes)
-        outputs = _route_group(graph, owner, a_nodes, sites, is_vision, is_speech)
+        outputs = _route_group(graph, owner, a_nodes, sites, conditions)
         for site, new in zip(sites, outputs):
             ir.convenience.replace_all_uses_with(site.out, new)
             if site.out.is_graph_output():
                 raise ValueError(f"{owner}: a LoRA output is a graph output")
         graph.remove([*a_nodes.values(), *(n for s in sites for n in (*s.b_nodes.values(), *s.add_nodes.values()))],
                      safe=True)
-        routed += 2
+        routed += len(a_nodes)
     graph.sort()
     return routed
 
@@ -197,7 +198,7 @@ def _sites(a_nodes: dict[str, ir.Node]) -> list[_Site]:
     """The projections fed by one owner's A MatMuls, in a stable order, each with its B and Add per adapter."""
     by_base: dict[int, _Site] = {}
     order: list[int] = []
-    for adapter in ROUTED_ADAPTERS:
+    for adapter in (a for a in ROUTED_ADAPTERS if a in a_nodes):
         for b_node in [use.node for use in a_nodes[adapter].outputs[0].uses()]:
             (add_use,) = list(b_node.outputs[0].uses())
             add = add_use.node
@@ -228,18 +229,22 @@ def _last_add(site: _Site) -> ir.Value:
 
 
 def _route_group(graph: ir.Graph, owner: str, a_nodes: dict[str, ir.Node], sites: list[_Site],
-                 is_vision: ir.Value, is_speech: ir.Value) -> list[ir.Value]:
-    branches = {adapter: _adapter_branch(owner, adapter, a_nodes[adapter], sites) for adapter in ROUTED_ADAPTERS}
+                 conditions: dict[str, ir.Value]) -> list[ir.Value]:
+    """If(first adapter's mode){base + its LoRA} else If(next ...) ... else {base}, innermost last."""
     identity_nodes = [ir.node("Identity", [s.base], name=f"{owner}/lora.none/Identity_{i}", num_outputs=1)
                       for i, s in enumerate(sites)]
     for node in identity_nodes:
         node.outputs[0].name = f"{node.name}/output_0"
-    no_lora = ir.Graph([], [n.outputs[0] for n in identity_nodes], nodes=identity_nodes, name=f"{owner}/lora.none")
-    speech_if = _if_node(f"{owner}/lora.speech/If", is_speech, branches["speech"], no_lora, sites)
-    speech_graph = ir.Graph([], list(speech_if.outputs), nodes=[speech_if], name=f"{owner}/lora.speech_or_none")
-    vision_if = _if_node(f"{owner}/lora.vision/If", is_vision, branches["vision"], speech_graph, sites)
-    graph.append(vision_if)
-    return list(vision_if.outputs)
+    otherwise = ir.Graph([], [n.outputs[0] for n in identity_nodes], nodes=identity_nodes, name=f"{owner}/lora.none")
+    adapters = [a for a in ROUTED_ADAPTERS if a in a_nodes]
+    for depth, adapter in enumerate(reversed(adapters)):
+        branch = _adapter_branch(owner, adapter, a_nodes[adapter], sites)
+        node = _if_node(f"{owner}/lora.{adapter}/If", conditions[adapter], branch, otherwise, sites)
+        if depth == len(adapters) - 1:
+            graph.append(node)
+            return list(node.outputs)
+        otherwise = ir.Graph([], list(node.outputs), nodes=[node], name=f"{owner}/lora.{adapter}_or_next")
+    raise ValueError(f"{owner}: no LoRA adapter")
 
 
 def _if_node(name: str, cond: ir.Value, then_graph: ir.Graph, else_graph: ir.Graph, sites: list[_Site]) -> ir.Node:

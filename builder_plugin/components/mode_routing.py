@@ -30,11 +30,11 @@ import numpy as np
 import onnx_ir as ir
 
 from builder_plugin.components.spec import TensorSpec
+from builder_plugin.graph import MS_DOMAIN
 
 IMAGE_TOKEN_ID = 200010  # the placeholder ids the runtime's phi4mm processor expands (fixed in onnxruntime-genai)
 AUDIO_TOKEN_ID = 200011
 FLAG = 1024.0  # large enough that flag / context_length stays a normal fp16 number
-MS_DOMAIN = "com.microsoft"
 MODE_INPUT = "input_ids"
 ROUTED_ADAPTERS = ("vision", "speech")  # If order: vision first, as an image wins over audio
 

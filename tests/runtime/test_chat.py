@@ -195,6 +195,9 @@ def test_stopping_early_keeps_the_partial_answer(conversation):
     stream.close()
     assert chat.turns == [Turn("Count to ten.", assistant=first_piece)]
     assert chat.last_stats.new_tokens == 1
+    kept = chat.token_ids
+    list(chat.ask("Go on.", max_new_tokens=2))  # the stopped answer is closed with <|end|> and the cache kept
+    assert chat.last_stats.reused_tokens == len(kept) - 1 and chat.token_ids[:len(kept)] == kept
 
 
 def test_errors_with_a_package(package, conversation, media_dir, tmp_path):

@@ -51,6 +51,9 @@ extrapolated from the graph: fixed bytes + 32 x the bytes of one layer.
 checkpoint fits; PyTorch fp32 at 32 layers does not), measured against the estimate and the bandwidth bound.
 
 Results: --out (JSON), a Markdown table on stdout and the "Machine" and "Run time" sections of --doc.
+
+This file is the command line and the order of the runs (and the entry point of the build and measurement
+subprocesses); the parts are in benchmarks/runtime_bench/.
 """
 
 from __future__ import annotations

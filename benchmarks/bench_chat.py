@@ -117,9 +117,10 @@ def run_worker(scenario: str, package: Path, media: Path, args: argparse.Namespa
                "--new-tokens", str(args.new_tokens)]
     if follow_up_room is not None:
         command += ["--follow-up-room", str(follow_up_room)]
-    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    print(f"{scenario}: {package}", file=sys.stderr, flush=True)
+    result = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)  # its steps show on stderr
     if result.returncode != 0:
-        raise SystemExit(f"worker {scenario} on {package} failed:\n{result.stderr[-3000:]}")
+        raise SystemExit(f"worker {scenario} on {package} failed (exit {result.returncode})")
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 

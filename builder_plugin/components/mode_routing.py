@@ -12,9 +12,9 @@ across steps in one extra KV-cache "layer", which the runtime allocates, carries
 
 The mode is then the original model's rule for the whole conversation: any image -> vision LoRA (also with audio),
 else any audio -> speech LoRA, else no LoRA. The LoRA branches, built as separate MatMuls next to the base MatMul,
-move into ``If`` nodes: ``If(vision){base + vision LoRA} else If(speech){base + speech LoRA} else {base}``. The base
-MatMuls stay in the main graph, so every base weight has one kernel (prepacked once), and a mode computes only its own
-adapter.
+move into ``If`` nodes, one per adapter and projection, chained: ``x = If(vision){base + vision LoRA} else {base}``,
+then ``If(speech){x + speech LoRA} else {x}``. The base MatMuls stay in the main graph, so every base weight has one
+kernel (prepacked once), and a mode computes only its own adapter.
 
 Limit: with ``search.chunk_size`` (chunked prefill) a chunk is routed by the placeholders seen up to that chunk, so
 media must start in the first chunk; the package does not set chunk_size.
@@ -230,21 +230,25 @@ def _last_add(site: _Site) -> ir.Value:
 
 def _route_group(graph: ir.Graph, owner: str, a_nodes: dict[str, ir.Node], sites: list[_Site],
                  conditions: dict[str, ir.Value]) -> list[ir.Value]:
-    """If(first adapter's mode){base + its LoRA} else If(next ...) ... else {base}, innermost last."""
-    identity_nodes = [ir.node("Identity", [s.base], name=f"{owner}/lora.none/Identity_{i}", num_outputs=1)
-                      for i, s in enumerate(sites)]
-    for node in identity_nodes:
-        node.outputs[0].name = f"{node.name}/output_0"
-    otherwise = ir.Graph([], [n.outputs[0] for n in identity_nodes], nodes=identity_nodes, name=f"{owner}/lora.none")
-    adapters = [a for a in ROUTED_ADAPTERS if a in a_nodes]
-    for depth, adapter in enumerate(reversed(adapters)):
-        branch = _adapter_branch(owner, adapter, a_nodes[adapter], sites)
-        node = _if_node(f"{owner}/lora.{adapter}/If", conditions[adapter], branch, otherwise, sites)
-        if depth == len(adapters) - 1:
-            graph.append(node)
-            return list(node.outputs)
-        otherwise = ir.Graph([], list(node.outputs), nodes=[node], name=f"{owner}/lora.{adapter}_or_next")
-    raise ValueError(f"{owner}: no LoRA adapter")
+    """One If per adapter, in sequence: ``If(mode){x + LoRA(input)} else {x}``, x being the previous If's output
+    (the base MatMul's for the first). The modes exclude each other, so at most one adds its LoRA.
+
+    The Ifs are chained, not nested: onnxruntime prepacks a weight read from an If branch only when the weight is an
+    initializer of the graph right above the branch; a nested branch's MatMulNBits ran unpacked (about 9x slower
+    decoding in that mode, and a dequantized copy of the adapter in memory)."""
+    current = [site.base for site in sites]
+    for adapter in (a for a in ROUTED_ADAPTERS if a in a_nodes):
+        branch = _adapter_branch(owner, adapter, a_nodes[adapter], sites, current)
+        identity_nodes = [ir.node("Identity", [value], name=f"{owner}/lora.{adapter}/skip/Identity_{i}",
+                                  num_outputs=1) for i, value in enumerate(current)]
+        for node in identity_nodes:
+            node.outputs[0].name = f"{node.name}/output_0"
+        skip = ir.Graph([], [n.outputs[0] for n in identity_nodes], nodes=identity_nodes,
+                        name=f"{owner}/lora.{adapter}/skip")
+        node = _if_node(f"{owner}/lora.{adapter}/If", conditions[adapter], branch, skip, sites)
+        graph.append(node)
+        current = list(node.outputs)
+    return current
 
 
 def _if_node(name: str, cond: ir.Value, then_graph: ir.Graph, else_graph: ir.Graph, sites: list[_Site]) -> ir.Node:
@@ -257,8 +261,9 @@ def _if_node(name: str, cond: ir.Value, then_graph: ir.Graph, else_graph: ir.Gra
     return node
 
 
-def _adapter_branch(owner: str, adapter: str, a_node: ir.Node, sites: list[_Site]) -> ir.Graph:
-    """A branch graph computing base + LoRA for every site of the group.
+def _adapter_branch(owner: str, adapter: str, a_node: ir.Node, sites: list[_Site],
+                    inputs: list[ir.Value]) -> ir.Graph:
+    """A branch graph computing input + LoRA for every site of the group (`inputs`: one value per site).
 
     The adapter weights stay main-graph initializers read from the branch (outer scope): onnxruntime then prepacks
     them once and frees the raw copy, which it does not do for initializers held inside a branch graph (the branch
@@ -276,10 +281,10 @@ def _adapter_branch(owner: str, adapter: str, a_node: ir.Node, sites: list[_Site
 
     a_copy = clone(a_node, [a_node.inputs[0], a_node.inputs[1]])
     outputs = []
-    for site in sites:
+    for site, value in zip(sites, inputs):
         b_node = site.b_nodes[adapter]
         b_copy = clone(b_node, [a_copy.outputs[0], b_node.inputs[1]])
-        add = ir.node("Add", [site.base, b_copy.outputs[0]], name=site.add_nodes[adapter].name, num_outputs=1)
+        add = ir.node("Add", [value, b_copy.outputs[0]], name=site.add_nodes[adapter].name, num_outputs=1)
         add.outputs[0].name = f"{add.name}/output_0"
         add.outputs[0].shape = site.out.shape
         add.outputs[0].type = site.out.type

@@ -9,14 +9,17 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
+from builder_plugin.config_fields import Check, Field, Layout, as_stored, read_fields
 from builder_plugin.errors import InputError, UnsupportedModelError
 
 IMAGE_TOKEN_ID = 200010  # <|endoftext10|>; hard-coded in onnxruntime-genai's phi4mm processor
 AUDIO_TOKEN_ID = 200011  # <|endoftext11|>
+ENDOFTEXT_TOKEN_ID = 199999  # <|endoftext|>: bos, pad and eos when config.json names none
 
 ORIGINAL_MODEL_TYPE = "phi4mm"
 NATIVE_MODEL_TYPE = "phi4_multimodal"
@@ -33,7 +36,7 @@ SIGLIP_SO400M = {
     "hidden_act": "gelu_pytorch_tanh",
 }
 
-CheckpointFormat = Literal["original", "native"]
+CheckpointFormat = Layout
 
 
 @dataclass(frozen=True)
@@ -81,9 +84,9 @@ class VisionConfig:
     patch_size: int
     layer_norm_eps: float
     hidden_act: str
-    crop_size: int = 448
-    feature_layer: int = -2
-    hd_transform_order: str = "sub_glb"
+    crop_size: int
+    feature_layer: int
+    hd_transform_order: str
 
     @property
     def head_dim(self) -> int:
@@ -130,9 +133,9 @@ class AudioConfig:
     batch_norm: bool
     causal: bool
     input_layer: str
-    ext_pw_kernel_size: int = 1
-    nemo_activation: str = "relu"
-    compression_rate: int = 8
+    ext_pw_kernel_size: int
+    nemo_activation: str
+    compression_rate: int
 
     @property
     def head_dim(self) -> int:
@@ -168,8 +171,8 @@ class Phi4MMConfig:
     bos_token_id: int
     pad_token_id: int
     eos_token_ids: tuple[int, ...]
-    image_token_id: int = IMAGE_TOKEN_ID
-    audio_token_id: int = AUDIO_TOKEN_ID
+    image_token_id: int
+    audio_token_id: int
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -188,7 +191,7 @@ class Phi4MMConfig:
                 f"expected model_type {ORIGINAL_MODEL_TYPE!r} or {NATIVE_MODEL_TYPE!r}"
             )
         eos = _generation_eos(model_dir) or cfg.eos_token_ids
-        return _replace(cfg, eos_token_ids=tuple(eos), raw=raw)
+        return replace(cfg, eos_token_ids=tuple(eos), raw=raw)
 
 
 def read_json(path: Path, what: str) -> dict[str, Any]:
@@ -203,15 +206,9 @@ def read_json(path: Path, what: str) -> dict[str, Any]:
     return data
 
 
-def _replace(cfg: Phi4MMConfig, **changes: Any) -> Phi4MMConfig:
-    from dataclasses import replace
-
-    return replace(cfg, **changes)
-
-
-def _require(raw: dict[str, Any], key: str, where: str = "config.json") -> Any:
+def _require(raw: dict[str, Any], key: str) -> Any:
     if key not in raw or raw[key] is None:
-        raise InputError(f"{where} lacks the required key {key!r}")
+        raise InputError(f"config.json lacks the required key {key!r}")
     return raw[key]
 
 
@@ -221,124 +218,154 @@ def _ids(value: Any) -> tuple[int, ...]:
     return tuple(value) if isinstance(value, (list, tuple)) else (int(value),)
 
 
-def _text_config(raw: dict[str, Any], rope: dict[str, Any]) -> TextConfig:
-    hidden = int(_require(raw, "hidden_size"))
-    heads = int(_require(raw, "num_attention_heads"))
-    head_dim = int(raw.get("head_dim") or hidden // heads)
-    prf = float(rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
-    original = rope.get("original_max_position_embeddings", raw.get("original_max_position_embeddings"))
-    max_pos = int(_require(raw, "max_position_embeddings"))
+def _floats(value: Any) -> tuple[float, ...]:
+    return tuple(float(x) for x in value)
+
+
+# The sections the keys below start with. Original layout: config and text = config.json, rope = rope_scaling,
+# vision = img_processor, audio = audio_processor.config. Native: config = config.json, text = text_config (or
+# config.json), rope = rope_parameters (or rope_scaling), vision = vision_config, audio = audio_config. A missing
+# required key is reported with the original layout's name for its section, whatever the layout.
+SECTION_NAMES = {"text": "config.json", "rope": "rope_scaling", "audio": "audio_processor.config"}
+
+
+def _check_longrope(sections: dict[str, Any], values: dict[str, Any]) -> None:
+    rope = sections["rope"]
     rope_type = rope.get("rope_type", rope.get("type"))
     if rope_type in ("su", "yarn"):
         rope_type = "longrope"
     if rope_type != "longrope":
         raise UnsupportedModelError(f"unsupported rope scaling {rope_type!r}: Phi-4-multimodal uses longrope")
-    short = tuple(float(x) for x in _require(rope, "short_factor", "rope_scaling"))
-    long = tuple(float(x) for x in _require(rope, "long_factor", "rope_scaling"))
+
+
+def _check_factor_count(sections: dict[str, Any], values: dict[str, Any]) -> None:
+    short, long = values["short_factor"], values["long_factor"]
+    head_dim, prf = values["head_dim"], values["partial_rotary_factor"]
     rotary_half = int(head_dim * prf) // 2
     if len(short) != rotary_half or len(long) != rotary_half:
         raise InputError(
             f"rope_scaling has {len(short)} short / {len(long)} long factors; head_dim {head_dim} with "
             f"partial_rotary_factor {prf} needs {rotary_half}"
         )
-    return TextConfig(
-        vocab_size=int(_require(raw, "vocab_size")),
-        hidden_size=hidden,
-        intermediate_size=int(_require(raw, "intermediate_size")),
-        num_hidden_layers=int(_require(raw, "num_hidden_layers")),
-        num_attention_heads=heads,
-        num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-        head_dim=head_dim,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-        hidden_act=str(raw.get("hidden_act", "silu")),
-        rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
-        partial_rotary_factor=prf,
-        max_position_embeddings=max_pos,
-        original_max_position_embeddings=int(original or max_pos),
-        short_factor=short,
-        long_factor=long,
-        short_mscale=rope.get("short_mscale"),
-        long_mscale=rope.get("long_mscale"),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        sliding_window=raw.get("sliding_window"),
-    )
+
+
+# Rows in the order the checks and conversions run, so a config with several faults reports the same one first.
+TEXT_FIELDS = (
+    Field("hidden_size", "text.hidden_size"),
+    Field("num_attention_heads", "text.num_attention_heads"),
+    Field("head_dim", "text.head_dim", default=lambda v: v["hidden_size"] // v["num_attention_heads"],
+          falsy_is_absent=True),
+    Field("partial_rotary_factor", ("rope.partial_rotary_factor", "text.partial_rotary_factor"), default=1.0,
+          convert=float),
+    Field("max_position_embeddings", "text.max_position_embeddings"),
+    Check(_check_longrope),
+    Field("short_factor", "rope.short_factor", convert=_floats),
+    Field("long_factor", "rope.long_factor", convert=_floats),
+    Check(_check_factor_count),
+    Field("vocab_size", "text.vocab_size"),
+    Field("intermediate_size", "text.intermediate_size"),
+    Field("num_hidden_layers", "text.num_hidden_layers"),
+    Field("num_key_value_heads", "text.num_key_value_heads", default=lambda v: v["num_attention_heads"],
+          falsy_is_absent=True),
+    Field("rms_norm_eps", "text.rms_norm_eps", default=1e-5, convert=float),
+    Field("hidden_act", "text.hidden_act", default="silu", convert=str),
+    Field("rope_theta", ("rope.rope_theta", "text.rope_theta"), default=10000.0, convert=float),
+    Field("original_max_position_embeddings",
+          ("rope.original_max_position_embeddings", "text.original_max_position_embeddings"),
+          default=lambda v: v["max_position_embeddings"], falsy_is_absent=True),
+    Field("short_mscale", "rope.short_mscale", default=None, convert=as_stored),
+    Field("long_mscale", "rope.long_mscale", default=None, convert=as_stored),
+    Field("tie_word_embeddings", "text.tie_word_embeddings", default=False, convert=bool),
+    Field("sliding_window", "text.sliding_window", default=None, convert=as_stored),
+)  # fmt: skip
+
+VISION_FIELDS = (
+    # Both layouts fall back to SigLIP-so400m, key by key.
+    *(Field(key, f"vision.{key}", default=value, convert=type(value)) for key, value in SIGLIP_SO400M.items()),
+    Field("crop_size", "config.embd_layer.image_embd_layer.crop_size", "vision.crop_size", 448),
+    Field("feature_layer", "vision.layer_idx", "vision.feature_layer", -2),
+    Field("hd_transform_order", "config.embd_layer.image_embd_layer.hd_transform_order", None, "sub_glb", str),
+)
+
+# The original layout requires the sizes; transformers' native config class defaults to the full-size model.
+AUDIO_FIELDS = (
+    Field("input_size", "audio.input_size", default=80),
+    Field("attention_dim", "audio.attention_dim", "audio.hidden_size", native_default=1024),
+    Field("attention_heads", "audio.attention_heads", "audio.num_attention_heads", native_default=16),
+    Field("num_blocks", "audio.num_blocks", native_default=24),
+    Field("linear_units", "audio.linear_units", "audio.intermediate_size", native_default=1536),
+    Field("kernel_size", "audio.kernel_size", default=3),
+    Field("time_reduction", "audio.time_reduction", default=8),
+    Field("nemo_conv_channels", "audio.nemo_conv_settings.conv_channels", "audio.nemo_conv_channels", 256,
+          native_default=1024),
+    Field("ext_pw_out_channel", "audio.ext_pw_out_channel", default=lambda v: v["attention_dim"]),
+    Field("depthwise_separable_out_channel", "audio.depthwise_seperable_out_channel",
+          "audio.depthwise_separable_out_channel", lambda v: v["attention_dim"]),
+    Field("depthwise_multiplier", "audio.depthwise_multiplier", default=1),
+    Field("bias_max_distance", "audio.relative_attention_bias_args.t5_bias_max_distance", "audio.bias_max_distance",
+          1000),
+    Field("bias_symmetric", "audio.relative_attention_bias_args.t5_bias_symmetric", "audio.bias_symmetric", False,
+          bool),
+    Field("chunk_size", "audio.chunk_size", default=-1),
+    Field("left_chunk", "audio.left_chunk", default=18),
+    Field("activation", "audio.activation", default="swish", convert=str),
+    Field("conv_activation", "audio.conv_activation", default="swish", convert=str),
+    Field("conv_glu_type", "audio.conv_glu_type", default="swish", convert=str),
+    Field("bias_in_glu", "audio.bias_in_glu", default=True, convert=bool),
+    Field("cnn_layer_norm", "audio.cnn_layer_norm", None, True, bool),
+    Field("batch_norm", "audio.batch_norm", None, False, bool),
+    Field("causal", "audio.causal", None, True, bool),
+    Field("input_layer", "audio.input_layer", None, "nemo_conv", str),
+    Field("ext_pw_kernel_size", "audio.ext_pw_kernel_size", None, 1),
+    Field("nemo_activation", "audio.nemo_conv_settings.activation", "audio.nemo_activation", "relu", str),
+    Field("compression_rate", "config.embd_layer.audio_embd_layer.compression_rate", "audio.time_reduction", 8),
+)  # fmt: skip
+
+TOKEN_FIELDS = (
+    Field("bos_token_id", "text.bos_token_id", default=ENDOFTEXT_TOKEN_ID),
+    Field("pad_token_id", "text.pad_token_id", default=ENDOFTEXT_TOKEN_ID),
+    Field("eos_token_ids", "text.eos_token_id", default=ENDOFTEXT_TOKEN_ID, convert=_ids),
+    Field("image_token_id", None, "vision.image_token_id", IMAGE_TOKEN_ID),
+    Field("audio_token_id", None, "audio.audio_token_id", AUDIO_TOKEN_ID),
+)
+
+
+def _parse(
+    layout: Layout,
+    sections: dict[str, Any],
+    audio_section: Callable[[], dict[str, Any]],
+    read_loras: Callable[[], dict[str, LoraConfig]],
+) -> Phi4MMConfig:
+    """Reads the tables in a fixed order; the audio section and the adapters are read when their turn comes."""
+    text = TextConfig(**read_fields(TEXT_FIELDS, layout, sections, SECTION_NAMES))
+    vision = VisionConfig(**read_fields(VISION_FIELDS, layout, sections, SECTION_NAMES))
+    sections = {**sections, "audio": audio_section()}
+    audio = AudioConfig(**read_fields(AUDIO_FIELDS, layout, sections, SECTION_NAMES))
+    loras = read_loras()
+    tokens = read_fields(TOKEN_FIELDS, layout, sections, SECTION_NAMES)
+    return Phi4MMConfig(source_format=layout, text=text, vision=vision, audio=audio, loras=loras, **tokens)
+
+
+def _lora(name: str, block: dict[str, Any]) -> LoraConfig:
+    return LoraConfig(name, int(block["r"]), float(block["lora_alpha"]))
 
 
 def _from_original(raw: dict[str, Any]) -> Phi4MMConfig:
     rope = dict(_require(raw, "rope_scaling"))
-    rope.setdefault("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    text = _text_config(raw, rope)
-
     img = raw.get("img_processor")
-    siglip = dict(SIGLIP_SO400M)
-    if isinstance(img, dict):
-        siglip.update({k: img[k] for k in SIGLIP_SO400M if k in img})
-    image_layer = (raw.get("embd_layer") or {}).get("image_embd_layer") or {}
-    vision = VisionConfig(
-        hidden_size=int(siglip["hidden_size"]),
-        intermediate_size=int(siglip["intermediate_size"]),
-        num_hidden_layers=int(siglip["num_hidden_layers"]),
-        num_attention_heads=int(siglip["num_attention_heads"]),
-        image_size=int(siglip["image_size"]),
-        patch_size=int(siglip["patch_size"]),
-        layer_norm_eps=float(siglip["layer_norm_eps"]),
-        hidden_act=str(siglip["hidden_act"]),
-        crop_size=int(image_layer.get("crop_size", 448)),
-        feature_layer=int((img or {}).get("layer_idx", -2)) if isinstance(img, dict) else -2,
-        hd_transform_order=str(image_layer.get("hd_transform_order", "sub_glb")),
-    )
+    vision = img if isinstance(img, dict) else {}
 
-    audio_raw = (_require(raw, "audio_processor") or {}).get("config")
-    if not isinstance(audio_raw, dict):
-        raise InputError("config.json audio_processor has no 'config' object")
-    audio_layer = (raw.get("embd_layer") or {}).get("audio_embd_layer") or {}
-    bias_args = audio_raw.get("relative_attention_bias_args") or {}
-    audio = AudioConfig(
-        input_size=int(audio_raw.get("input_size", 80)),
-        attention_dim=int(_require(audio_raw, "attention_dim", "audio_processor.config")),
-        attention_heads=int(_require(audio_raw, "attention_heads", "audio_processor.config")),
-        num_blocks=int(_require(audio_raw, "num_blocks", "audio_processor.config")),
-        linear_units=int(_require(audio_raw, "linear_units", "audio_processor.config")),
-        kernel_size=int(audio_raw.get("kernel_size", 3)),
-        time_reduction=int(audio_raw.get("time_reduction", 8)),
-        nemo_conv_channels=int((audio_raw.get("nemo_conv_settings") or {}).get("conv_channels", 256)),
-        ext_pw_out_channel=int(audio_raw.get("ext_pw_out_channel", audio_raw["attention_dim"])),
-        depthwise_separable_out_channel=int(
-            audio_raw.get("depthwise_seperable_out_channel", audio_raw["attention_dim"])
-        ),
-        depthwise_multiplier=int(audio_raw.get("depthwise_multiplier", 1)),
-        bias_max_distance=int(bias_args.get("t5_bias_max_distance", 1000)),
-        bias_symmetric=bool(bias_args.get("t5_bias_symmetric", False)),
-        chunk_size=int(audio_raw.get("chunk_size", -1)),
-        left_chunk=int(audio_raw.get("left_chunk", 18)),
-        activation=str(audio_raw.get("activation", "swish")),
-        conv_activation=str(audio_raw.get("conv_activation", "swish")),
-        conv_glu_type=str(audio_raw.get("conv_glu_type", "swish")),
-        bias_in_glu=bool(audio_raw.get("bias_in_glu", True)),
-        cnn_layer_norm=bool(audio_raw.get("cnn_layer_norm", True)),
-        batch_norm=bool(audio_raw.get("batch_norm", False)),
-        causal=bool(audio_raw.get("causal", True)),
-        input_layer=str(audio_raw.get("input_layer", "nemo_conv")),
-        ext_pw_kernel_size=int(audio_raw.get("ext_pw_kernel_size", 1)),
-        nemo_activation=str((audio_raw.get("nemo_conv_settings") or {}).get("activation", "relu")),
-        compression_rate=int(audio_layer.get("compression_rate", 8)),
-    )
+    def audio_section() -> dict[str, Any]:
+        audio = (_require(raw, "audio_processor") or {}).get("config")
+        if not isinstance(audio, dict):
+            raise InputError("config.json audio_processor has no 'config' object")
+        return audio
 
-    loras = {}
-    for name in ("vision", "speech"):
-        block = raw.get(f"{name}_lora")
-        if block:
-            loras[name] = LoraConfig(name, int(block["r"]), float(block["lora_alpha"]))
-    return Phi4MMConfig(
-        source_format="original",
-        text=text,
-        vision=vision,
-        audio=audio,
-        loras=loras,
-        bos_token_id=int(raw.get("bos_token_id", 199999)),
-        pad_token_id=int(raw.get("pad_token_id", 199999)),
-        eos_token_ids=_ids(raw.get("eos_token_id", 199999)),
-    )
+    def read_loras() -> dict[str, LoraConfig]:
+        return {name: _lora(name, raw[f"{name}_lora"]) for name in ("vision", "speech") if raw.get(f"{name}_lora")}
+
+    sections = {"config": raw, "text": raw, "rope": rope, "vision": vision}
+    return _parse("original", sections, audio_section, read_loras)
 
 
 # The folders the hub repository ships the native-format LoRA adapters in, keyed by adapter name.
@@ -346,70 +373,19 @@ NATIVE_ADAPTER_DIRS = {"vision": "vision-lora", "speech": "speech-lora"}
 
 
 def _from_native(raw: dict[str, Any], model_dir: Path) -> Phi4MMConfig:
-    text_raw = dict(raw.get("text_config") or raw)
-    rope = dict(text_raw.get("rope_parameters") or text_raw.get("rope_scaling") or {})
-    text = _text_config(text_raw, rope)
+    text = dict(raw.get("text_config") or raw)
+    rope = dict(text.get("rope_parameters") or text.get("rope_scaling") or {})
 
-    v = raw.get("vision_config") or {}
-    vision = VisionConfig(
-        hidden_size=int(v.get("hidden_size", SIGLIP_SO400M["hidden_size"])),
-        intermediate_size=int(v.get("intermediate_size", SIGLIP_SO400M["intermediate_size"])),
-        num_hidden_layers=int(v.get("num_hidden_layers", SIGLIP_SO400M["num_hidden_layers"])),
-        num_attention_heads=int(v.get("num_attention_heads", SIGLIP_SO400M["num_attention_heads"])),
-        image_size=int(v.get("image_size", 448)),
-        patch_size=int(v.get("patch_size", 14)),
-        layer_norm_eps=float(v.get("layer_norm_eps", 1e-6)),
-        hidden_act=str(v.get("hidden_act", "gelu_pytorch_tanh")),
-        crop_size=int(v.get("crop_size", 448)),
-        feature_layer=int(v.get("feature_layer", -2)),
-    )
-    a = raw.get("audio_config") or {}
-    hidden = int(a.get("hidden_size", 1024))
-    audio = AudioConfig(
-        input_size=int(a.get("input_size", 80)),
-        attention_dim=hidden,
-        attention_heads=int(a.get("num_attention_heads", 16)),
-        num_blocks=int(a.get("num_blocks", 24)),
-        linear_units=int(a.get("intermediate_size", 1536)),
-        kernel_size=int(a.get("kernel_size", 3)),
-        time_reduction=int(a.get("time_reduction", 8)),
-        nemo_conv_channels=int(a.get("nemo_conv_channels", 1024)),
-        ext_pw_out_channel=int(a.get("ext_pw_out_channel", hidden)),
-        depthwise_separable_out_channel=int(a.get("depthwise_separable_out_channel", hidden)),
-        depthwise_multiplier=int(a.get("depthwise_multiplier", 1)),
-        bias_max_distance=int(a.get("bias_max_distance", 1000)),
-        bias_symmetric=bool(a.get("bias_symmetric", False)),
-        chunk_size=int(a.get("chunk_size", -1)),
-        left_chunk=int(a.get("left_chunk", 18)),
-        activation=str(a.get("activation", "swish")),
-        conv_activation=str(a.get("conv_activation", "swish")),
-        conv_glu_type=str(a.get("conv_glu_type", "swish")),
-        bias_in_glu=bool(a.get("bias_in_glu", True)),
-        cnn_layer_norm=True,
-        batch_norm=False,
-        causal=True,
-        input_layer="nemo_conv",
-        nemo_activation=str(a.get("nemo_activation", "relu")),
-        compression_rate=int(a.get("time_reduction", 8)),
-    )
-    loras = {}
-    for name, folder in NATIVE_ADAPTER_DIRS.items():
-        adapter_cfg = model_dir / folder / "adapter_config.json"
-        if adapter_cfg.is_file():
-            block = read_json(adapter_cfg, what=f"{name} LoRA adapter config")
-            loras[name] = LoraConfig(name, int(block["r"]), float(block["lora_alpha"]))
-    return Phi4MMConfig(
-        source_format="native",
-        text=text,
-        vision=vision,
-        audio=audio,
-        loras=loras,
-        bos_token_id=int(text_raw.get("bos_token_id", 199999)),
-        pad_token_id=int(text_raw.get("pad_token_id", 199999)),
-        eos_token_ids=_ids(text_raw.get("eos_token_id", 199999)),
-        image_token_id=int(v.get("image_token_id", IMAGE_TOKEN_ID)),
-        audio_token_id=int(a.get("audio_token_id", AUDIO_TOKEN_ID)),
-    )
+    def read_loras() -> dict[str, LoraConfig]:
+        loras = {}
+        for name, folder in NATIVE_ADAPTER_DIRS.items():
+            adapter_cfg = model_dir / folder / "adapter_config.json"
+            if adapter_cfg.is_file():
+                loras[name] = _lora(name, read_json(adapter_cfg, what=f"{name} LoRA adapter config"))
+        return loras
+
+    sections = {"config": raw, "text": text, "rope": rope, "vision": raw.get("vision_config") or {}}
+    return _parse("native", sections, lambda: raw.get("audio_config") or {}, read_loras)
 
 
 def _generation_eos(model_dir: Path) -> tuple[int, ...]:

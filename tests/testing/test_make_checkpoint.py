@@ -310,7 +310,7 @@ def test_shards_split_contiguously_without_empty_shards():
     plan = mc.plan_tensors(config, mc.native_state_shapes(mc.native_config(config)))
     entries = [(p.original_name, p) for p in plan]
     for count in (1, 3, 7):
-        shards = mc._split_shards(entries, 2, count)
+        shards = mc.split_shards(entries, 2, count)
         assert len(shards) == count and all(shards)
         assert [e for shard in shards for e in shard] == entries
 

@@ -105,7 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except USER_ERRORS as exc:
         if args.verbose:
             traceback.print_exc()
-        print(f"verify: error: {exc}", file=sys.stderr)
+        print(f"error: {exc}", file=sys.stderr)
         return 1
     if args.report:
         args.report.write_text(report.markdown(), encoding="utf-8")

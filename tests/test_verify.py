@@ -174,6 +174,10 @@ def test_bad_input_gives_one_line(tmp_path, tmp_path_factory, tiny_package, tiny
     broken.write_bytes(b"not an image")
     assert_one_line_error(run_verify(tiny_package, "--checkpoint", tiny_checkpoint, "--image", broken), 1,
                           "cannot read image")
+    noise = tmp_path / "noise.wav"
+    noise.write_bytes(bytes(range(256)) * 8)
+    assert_one_line_error(run_verify(tiny_package, "--checkpoint", tiny_checkpoint, "--modes", "audio", "--audio",
+                                     noise), 1, "noise.wav", "rejected the inputs")
     gif = tmp_path / "picture.png"
     from PIL import Image
 

@@ -20,7 +20,13 @@ from builder_plugin.runtime import ChatError
 from builder_plugin.testing.reference import ReferenceModelError
 from builder_plugin.verify.engine import EngineError, run_package
 from builder_plugin.verify.metrics import THRESHOLDS, compare, judge
-from builder_plugin.verify.package_info import ArchitectureMismatchError, check_architecture, lowest, package_precisions
+from builder_plugin.verify.package_info import (
+    ArchitectureMismatchError,
+    check_architecture,
+    has_speech,
+    lowest,
+    package_precisions,
+)
 from builder_plugin.verify.prompts import MODES, MediaError, build_cases, parse_modes
 from builder_plugin.verify.reference import StreamingReference, TeacherForced
 from builder_plugin.verify.report import Report, summary_lines
@@ -37,7 +43,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("package", type=Path, help="the built package folder")
     p.add_argument("--checkpoint", type=Path, required=True,
                    help="the checkpoint folder it was built from (original or transformers-native layout)")
-    p.add_argument("--modes", type=_modes, default=MODES, help=f"comma-separated subset of {','.join(MODES)}")
+    p.add_argument("--modes", type=_modes, help=f"comma-separated subset of {','.join(MODES)} (default: all the "
+                   "package supports)")
     p.add_argument("--image", nargs="+", type=Path, default=[], help="image(s) to use instead of the built-in one")
     p.add_argument("--audio", nargs="+", type=Path, default=[], help="audio clip(s) to use instead of the built-in one")
     p.add_argument("--prompt", nargs="+", default=[], help="extra question(s), asked in every mode")
@@ -78,8 +85,13 @@ def verify(args: argparse.Namespace) -> Report:
     check_architecture(package, reference.config)
     graphs = package_precisions(package)
     precision = lowest(graphs)
+    modes = args.modes or MODES
+    if not has_speech(package):
+        if args.modes and any("audio" in m for m in args.modes):
+            raise ChatError("the package has no speech model, so it cannot take audio; choose --modes text,image")
+        modes = tuple(m for m in modes if "audio" not in m)
     with tempfile.TemporaryDirectory(prefix="verify-media-") as media:
-        cases = build_cases(args.modes, Path(media), args.prompt, args.image, args.audio)
+        cases = build_cases(modes, Path(media), args.prompt, args.image, args.audio)
         started = time.perf_counter()
         with tqdm(total=len(cases) * args.max_new_tokens, desc="package: onnxruntime-genai", leave=False,
                   disable=args.no_progress) as bar:
@@ -93,7 +105,7 @@ def verify(args: argparse.Namespace) -> Report:
     metrics = [compare(r.case.name, r.case.mode, r.variant, r.prompt_length, r.tokens, r.logits, want)
                for r, want in zip(runs, reference_logits)]
     threshold = THRESHOLDS[precision]
-    verdicts = [judge(mode, [m for m in metrics if m.mode == mode], threshold) for mode in args.modes]
+    verdicts = [judge(mode, [m for m in metrics if m.mode == mode], threshold) for mode in modes]
     return Report(str(package), str(args.checkpoint), reference.config.source_format, precision, graphs, threshold,
                   args.max_new_tokens, verdicts, metrics, timings)
 

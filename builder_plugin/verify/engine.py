@@ -62,7 +62,9 @@ def _generate(model, processor, eos: set[int], case: Case, variant: str, max_new
             audios=og.Audios.open(*map(str, case.audios)) if case.audios else None,
         )
     except RuntimeError as exc:
-        raise EngineError(f"{case.name}: the package's processor rejected the inputs: {_first_line(exc)}") from exc
+        files = ", ".join(map(str, (*case.images, *case.audios)))
+        raise EngineError(f"{case.name} ({files or 'no media'}): the package's processor rejected the inputs: "
+                          f"{_first_line(exc)}") from exc
     arrays = {name: np.array(inputs[name].as_numpy()) for name in inputs.keys()}
     prompt_length = int(arrays["input_ids"].shape[-1])
     params = og.GeneratorParams(model)

@@ -41,6 +41,12 @@ def package_precisions(package: Path) -> dict[str, str]:
     return {name: graph_precision(package / name) for name in sorted(names) if (package / name).is_file()}
 
 
+def has_speech(package: Path) -> bool:
+    """Whether the package has a speech model (a `--components vision,text` build has none)."""
+    config = json.loads((package / "genai_config.json").read_text(encoding="utf-8"))["model"]
+    return bool((config.get("speech") or {}).get("filename"))
+
+
 def lowest(precisions: dict[str, str]) -> str:
     return min(precisions.values(), key=PRECISIONS.index)
 

@@ -191,3 +191,12 @@ def test_usage_errors_exit_2(tiny_package, tiny_checkpoint):
                              str(tiny_checkpoint), "--modes", "text,video"], capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 2 and "unknown mode(s) video" in result.stderr
+
+
+def test_package_of_other_weights_fails(tmp_path, tmp_path_factory, tiny_package):
+    """Same architecture, other weights (as a fine-tune is): the package of the seed-0 checkpoint does not match."""
+    from builder_plugin.testing.make_checkpoint import make_checkpoint
+
+    other = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "other-weights", preset="tiny", seed=1)
+    code, data = verify_json(tmp_path, tiny_package, other, "--modes", "text,image")
+    assert code == EXIT_MISMATCH and data["failed_modes"] == ["text", "image"]

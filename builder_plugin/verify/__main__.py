@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import resource
 import sys
 import tempfile
 import time
@@ -97,17 +98,23 @@ def verify(args: argparse.Namespace) -> Report:
                   disable=args.no_progress) as bar:
             runs = run_package(str(package), cases, args.max_new_tokens, on_step=bar.update)
         timings["package"] = time.perf_counter() - started
+    peak_gb = {"package": _peak_rss_gb()}
     gc.collect()  # the og models are gone before the reference loads anything: peak memory is the larger side
 
     started = time.perf_counter()
     reference_logits = reference.logits([TeacherForced(r.inputs, r.tokens) for r in runs], progress)
     timings["reference"] = time.perf_counter() - started
+    peak_gb["overall"] = _peak_rss_gb()
     metrics = [compare(r.case.name, r.case.mode, r.variant, r.prompt_length, r.tokens, r.logits, want)
                for r, want in zip(runs, reference_logits)]
     threshold = THRESHOLDS[precision]
     verdicts = [judge(mode, [m for m in metrics if m.mode == mode], threshold) for mode in modes]
     return Report(str(package), str(args.checkpoint), reference.config.source_format, precision, graphs, threshold,
-                  args.max_new_tokens, verdicts, metrics, timings)
+                  args.max_new_tokens, verdicts, metrics, timings, peak_gb)
+
+
+def _peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
 
 
 def main(argv: Sequence[str] | None = None) -> int:

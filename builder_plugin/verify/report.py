@@ -22,6 +22,7 @@ class Report:
     verdicts: list[ModeVerdict]
     cases: list[CaseMetrics]
     timings_s: dict[str, float] = field(default_factory=dict)
+    peak_rss_gb: dict[str, float] = field(default_factory=dict)  # process peak after the package side, and overall
 
     @property
     def passed(self) -> bool:
@@ -38,6 +39,7 @@ class Report:
             "threshold": asdict(self.threshold), "max_new_tokens": self.max_new_tokens, "passed": self.passed,
             "failed_modes": self.failed_modes, "modes": [asdict(v) for v in self.verdicts],
             "cases": [c.as_dict() for c in self.cases], "timings_s": self.timings_s,
+            "peak_rss_gb": self.peak_rss_gb,
         }
 
     def write_json(self, path: Path) -> None:
@@ -81,6 +83,8 @@ class Report:
         ]
         if self.timings_s:
             lines += ["", "Time: " + ", ".join(f"{k} {v:.0f} s" for k, v in self.timings_s.items())]
+        if self.peak_rss_gb:
+            lines += ["", "Peak RSS: " + ", ".join(f"{k} {v:.2f} GB" for k, v in self.peak_rss_gb.items())]
         return "\n".join(lines) + "\n"
 
 

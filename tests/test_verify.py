@@ -30,14 +30,14 @@ STREAMING_RTOL = 1e-5  # of the logit scale; measured ~3e-6 (teacher-forced vs K
 def run_verify(*args: str | Path) -> subprocess.CompletedProcess:
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main([str(a) for a in args])
+        code = main([*map(str, args), "--no-progress"])
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def verify_json(tmp_path: Path, package: Path, checkpoint: Path, *extra: str | Path) -> tuple[int, dict]:
     report = tmp_path / "report.json"
     result = run_verify(package, "--checkpoint", checkpoint, "--max-new-tokens", NEW_TOKENS, "--json", report,
-                        "--report", tmp_path / "report.md", "--no-progress", *extra)
+                        "--report", tmp_path / "report.md", *extra)
     assert result.returncode in (0, EXIT_MISMATCH), result.stderr
     data = json.loads(report.read_text())
     assert (tmp_path / "report.md").read_text().startswith("# Package verification")

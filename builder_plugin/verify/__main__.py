@@ -9,11 +9,13 @@ import gc
 import resource
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
+import psutil
 from tqdm import tqdm
 
 from builder_plugin.errors import BuildError
@@ -102,8 +104,10 @@ def verify(args: argparse.Namespace) -> Report:
     gc.collect()  # the og models are gone before the reference loads anything: peak memory is the larger side
 
     started = time.perf_counter()
-    reference_logits = reference.logits([TeacherForced(r.inputs, r.tokens) for r in runs], progress)
+    with _RssSampler() as sampler:
+        reference_logits = reference.logits([TeacherForced(r.inputs, r.tokens) for r in runs], progress)
     timings["reference"] = time.perf_counter() - started
+    peak_gb["reference"] = sampler.peak / 1e9
     peak_gb["overall"] = _peak_rss_gb()
     metrics = [compare(r.case.name, r.case.mode, r.variant, r.prompt_length, r.tokens, r.logits, want)
                for r, want in zip(runs, reference_logits)]
@@ -111,6 +115,30 @@ def verify(args: argparse.Namespace) -> Report:
     verdicts = [judge(mode, [m for m in metrics if m.mode == mode], threshold) for mode in modes]
     return Report(str(package), str(args.checkpoint), reference.config.source_format, precision, graphs, threshold,
                   args.max_new_tokens, verdicts, metrics, timings, peak_gb)
+
+
+class _RssSampler:
+    """The largest resident set seen while the block runs (the process peak would include the package side)."""
+
+    def __init__(self, interval_s: float = 0.1) -> None:
+        self.peak = 0
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        process = psutil.Process()
+        while not self._stop.is_set():
+            self.peak = max(self.peak, process.memory_info().rss)
+            self._stop.wait(self._interval)
+
+    def __enter__(self) -> _RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def _peak_rss_gb() -> float:

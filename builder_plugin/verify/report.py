@@ -22,7 +22,7 @@ class Report:
     verdicts: list[ModeVerdict]
     cases: list[CaseMetrics]
     timings_s: dict[str, float] = field(default_factory=dict)
-    peak_rss_gb: dict[str, float] = field(default_factory=dict)  # process peak after the package side, and overall
+    peak_rss_gb: dict[str, float] = field(default_factory=dict)  # package side, reference (sampled), overall
 
     @property
     def passed(self) -> bool:

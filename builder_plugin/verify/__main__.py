@@ -154,10 +154,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             traceback.print_exc()
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    if args.report:
-        args.report.write_text(report.markdown(), encoding="utf-8")
-    if args.json:
-        report.write_json(args.json)
+    try:
+        if args.report:
+            args.report.write_text(report.markdown(), encoding="utf-8")
+        if args.json:
+            report.write_json(args.json)
+    except OSError as exc:
+        print(f"error: cannot write the report: {exc}", file=sys.stderr)
+        return 1
     print("\n".join(summary_lines(report)))
     if not report.passed:
         print(f"verify: FAILED for {', '.join(report.failed_modes)} ({report.precision} package)")

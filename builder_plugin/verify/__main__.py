@@ -1,0 +1,174 @@
+"""python -m builder_plugin.verify PACKAGE --checkpoint CKPT: compare a built package with the checkpoint it was built
+from, per input mode. Exit 0: every mode within the threshold of the package's precision; 3: a mode is not (named);
+1: bad input; 2: bad usage."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import resource
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from pathlib import Path
+
+import psutil
+from tqdm import tqdm
+
+from builder_plugin.errors import BuildError
+from builder_plugin.runtime import ChatError
+from builder_plugin.testing.reference import ReferenceModelError
+from builder_plugin.verify.engine import EngineError, run_package
+from builder_plugin.verify.metrics import THRESHOLDS, compare, judge
+from builder_plugin.verify.package_info import (
+    ArchitectureMismatchError,
+    check_architecture,
+    has_speech,
+    lowest,
+    package_precisions,
+)
+from builder_plugin.verify.prompts import MODES, MediaError, build_cases, parse_modes
+from builder_plugin.verify.reference import StreamingReference, TeacherForced
+from builder_plugin.verify.report import Report, summary_lines
+
+EXIT_MISMATCH = 3
+USER_ERRORS = (BuildError, ChatError, MediaError, ReferenceModelError, ArchitectureMismatchError, EngineError)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m builder_plugin.verify",
+                                description="Check that a built package matches its original checkpoint: built-in "
+                                "prompts per input mode run through onnxruntime-genai and through a PyTorch reference "
+                                "with the LoRA and audio projection of that mode.")
+    p.add_argument("package", type=Path, help="the built package folder")
+    p.add_argument("--checkpoint", type=Path, required=True,
+                   help="the checkpoint folder it was built from (original or transformers-native layout)")
+    p.add_argument("--modes", type=_modes, help=f"comma-separated subset of {','.join(MODES)} (default: all the "
+                   "package supports)")
+    p.add_argument("--image", nargs="+", type=Path, default=[], help="image(s) to use instead of the built-in one")
+    p.add_argument("--audio", nargs="+", type=Path, default=[], help="audio clip(s) to use instead of the built-in one")
+    p.add_argument("--prompt", nargs="+", default=[], help="extra question(s), asked in every mode")
+    p.add_argument("--max-new-tokens", type=_positive, default=16, help="greedy tokens per case (default %(default)s)")
+    p.add_argument("--report", type=Path, help="write the Markdown report here")
+    p.add_argument("--json", type=Path, help="write the JSON report here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("-v", "--verbose", action="store_true", help="tracebacks on errors")
+    return p
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    try:
+        return parse_modes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def verify(args: argparse.Namespace) -> Report:
+    def progress(items, desc):
+        return tqdm(items, desc=desc, leave=False, disable=args.no_progress)
+
+    timings: dict[str, float] = {}
+    package = args.package.expanduser()
+    if not (package / "genai_config.json").is_file():
+        raise ChatError(f"not a model package (no genai_config.json): {package}")
+    if not (args.checkpoint / "config.json").is_file():
+        raise BuildError(f"not a checkpoint folder (no config.json): {args.checkpoint}")
+    # The reference indexes and routes the checkpoint first (cheap), so a broken one fails before any model runs.
+    reference = StreamingReference(args.checkpoint)
+    check_architecture(package, reference.config)
+    graphs = package_precisions(package)
+    precision = lowest(graphs)
+    modes = args.modes or MODES
+    if not has_speech(package):
+        if args.modes and any("audio" in m for m in args.modes):
+            raise ChatError("the package has no speech model, so it cannot take audio; choose --modes text,image")
+        modes = tuple(m for m in modes if "audio" not in m)
+    with tempfile.TemporaryDirectory(prefix="verify-media-") as media:
+        cases = build_cases(modes, Path(media), args.prompt, args.image, args.audio)
+        started = time.perf_counter()
+        with tqdm(total=len(cases) * args.max_new_tokens, desc="package: onnxruntime-genai", leave=False,
+                  disable=args.no_progress) as bar:
+            runs = run_package(str(package), cases, args.max_new_tokens, on_step=bar.update)
+        timings["package"] = time.perf_counter() - started
+    peak_gb = {"package": _peak_rss_gb()}
+    gc.collect()  # the og models are gone before the reference loads anything: peak memory is the larger side
+
+    started = time.perf_counter()
+    with _RssSampler() as sampler:
+        reference_logits = reference.logits([TeacherForced(r.inputs, r.tokens) for r in runs], progress)
+    timings["reference"] = time.perf_counter() - started
+    peak_gb["reference"] = sampler.peak / 1e9
+    peak_gb["overall"] = _peak_rss_gb()
+    metrics = [compare(r.case.name, r.case.mode, r.variant, r.prompt_length, r.tokens, r.logits, want)
+               for r, want in zip(runs, reference_logits)]
+    threshold = THRESHOLDS[precision]
+    verdicts = [judge(mode, [m for m in metrics if m.mode == mode], threshold) for mode in modes]
+    return Report(str(package), str(args.checkpoint), reference.config.source_format, precision, graphs, threshold,
+                  args.max_new_tokens, verdicts, metrics, timings, peak_gb)
+
+
+class _RssSampler:
+    """The largest resident set seen while the block runs (the process peak would include the package side)."""
+
+    def __init__(self, interval_s: float = 0.1) -> None:
+        self.peak = 0
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        process = psutil.Process()
+        while not self._stop.is_set():
+            self.peak = max(self.peak, process.memory_info().rss)
+            self._stop.wait(self._interval)
+
+    def __enter__(self) -> _RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def _peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    try:
+        report = verify(args)
+    except USER_ERRORS as exc:
+        if args.verbose:
+            traceback.print_exc()
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        if args.report:
+            args.report.write_text(report.markdown(), encoding="utf-8")
+        if args.json:
+            report.write_json(args.json)
+    except OSError as exc:
+        print(f"error: cannot write the report: {exc}", file=sys.stderr)
+        return 1
+    print("\n".join(summary_lines(report)))
+    if not report.passed:
+        print(f"verify: FAILED for {', '.join(report.failed_modes)} ({report.precision} package)")
+        return EXIT_MISMATCH
+    print(f"verify: package matches the checkpoint in every mode ({report.precision})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

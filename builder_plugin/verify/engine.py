@@ -1,0 +1,93 @@
+"""The package side: each case run through onnxruntime-genai as an app runs it (the decoder variant the run-time
+helper picks for the mode, the model's own multimodal processor, greedy og.Generator), keeping the processor tensors,
+the generated tokens and the last-position logits of every step."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import onnxruntime_genai as og
+
+from builder_plugin.runtime import Chat
+from builder_plugin.verify.prompts import Case
+
+
+class EngineError(RuntimeError):
+    """The package failed on a case."""
+
+
+@dataclass
+class PackageRun:
+    case: Case
+    variant: str  # decoder file that answered
+    inputs: dict[str, np.ndarray]  # processor tensors, as the reference must see them
+    tokens: list[int]  # generated ids, eos included when one was produced
+    logits: np.ndarray  # [len(tokens), vocab] fp32: the logits each token was chosen from
+
+    @property
+    def prompt_length(self) -> int:
+        return int(self.inputs["input_ids"].shape[-1])
+
+
+def run_package(package: str, cases: Sequence[Case], max_new_tokens: int,
+                on_step: Callable[[], None] = lambda: None) -> list[PackageRun]:
+    """Run every case; one og.Model is loaded per decoder variant and released before the next variant loads (each
+    model holds its own encoder sessions, so keeping several would add up)."""
+    by_variant: dict[str, list[int]] = {}
+    variant_of = Chat(package).variant_for
+    for index, case in enumerate(cases):
+        by_variant.setdefault(variant_of(bool(case.images), bool(case.audios)), []).append(index)
+    runs: list[PackageRun | None] = [None] * len(cases)
+    for variant, indices in by_variant.items():
+        chat = Chat(package)
+        model = chat.model(variant)
+        processor = model.create_multimodal_processor()
+        eos = {int(t) for t in og.Tokenizer(model).eos_token_ids}
+        for index in indices:
+            runs[index] = _generate(model, processor, eos, cases[index], variant, max_new_tokens, on_step)
+        del processor, model, chat
+        gc.collect()
+    return [run for run in runs if run is not None]
+
+
+def _generate(model, processor, eos: set[int], case: Case, variant: str, max_new_tokens: int,
+              on_step: Callable[[], None]) -> PackageRun:
+    try:
+        inputs = processor(
+            case.prompt,
+            images=og.Images.open(*map(str, case.images)) if case.images else None,
+            audios=og.Audios.open(*map(str, case.audios)) if case.audios else None,
+        )
+    except RuntimeError as exc:
+        files = ", ".join(map(str, (*case.images, *case.audios)))
+        raise EngineError(f"{case.name} ({files or 'no media'}): the package's processor rejected the inputs: "
+                          f"{_first_line(exc)}") from exc
+    arrays = {name: np.array(inputs[name].as_numpy()) for name in inputs.keys()}
+    prompt_length = int(arrays["input_ids"].shape[-1])
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=prompt_length + max_new_tokens, do_sample=False)
+    generator = og.Generator(model, params)
+    tokens, logits = [], []
+    try:
+        generator.set_inputs(inputs)
+        while not generator.is_done():
+            generator.generate_next_token()
+            tokens.append(int(generator.get_next_tokens()[0]))
+            # [1, 1, vocab]: the decoder's lm_head covers the last position only
+            logits.append(np.array(generator.get_output("logits"), dtype=np.float32).reshape(-1))
+            on_step()
+            if tokens[-1] in eos:
+                break
+    except RuntimeError as exc:
+        raise EngineError(f"{case.name}: the package failed ({variant}): {_first_line(exc)}") from exc
+    finally:
+        del generator
+    return PackageRun(case, variant, arrays, tokens, np.stack(logits))
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

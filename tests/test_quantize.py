@@ -13,7 +13,7 @@ from onnx import numpy_helper
 from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
 import builder_plugin.quantize as quantize
-from builder_plugin.quantize import ColumnChunkedTensor, QuantizationCache, quantize_matmuls
+from builder_plugin.quantize import ColumnChunkedTensor, QuantizationCache, QuantScheme, quantize_matmuls
 
 FLOAT_TYPES = {np.float32: ir.DataType.FLOAT, np.float16: ir.DataType.FLOAT16}
 
@@ -86,14 +86,14 @@ def test_byte_identical_to_onnxruntime_quantizer(dtype, symmetric, chunked, monk
     if chunked:
         monkeypatch.setattr(quantize, "SLAB_BYTES", 7 * 100 * 4)  # a few columns per slab, uneven last slab
     for block_size, accuracy_level in ((32, 4), (128, 0)):
-        ours = quantize_matmuls(_model(weights, chunked), block_size, accuracy_level, symmetric=symmetric)
+        ours = quantize_matmuls(_model(weights, chunked), QuantScheme(4, block_size, symmetric), accuracy_level)
         _assert_same(ir.to_proto(ours), _reference(weights, block_size, symmetric, accuracy_level))
 
 
 def test_outputs_equal_onnxruntime_quantizer_and_track_float(tmp_path: Path) -> None:
     rng = np.random.default_rng(1)
     weights = {"w0": _weight(rng, 64, 72, np.float32), "w1": _weight(rng, 72, 48, np.float32)}
-    ir.save(quantize_matmuls(_model(weights, chunked=True), 32, 4), tmp_path / "ours.onnx")
+    ir.save(quantize_matmuls(_model(weights, chunked=True), QuantScheme(), 4), tmp_path / "ours.onnx")
     onnx.save(_reference(weights, 32, True, 4), tmp_path / "theirs.onnx")
     feeds = {"x": rng.standard_normal((5, 64)).astype(np.float32), "y_in": np.zeros((64, 3), np.float32)}
     ours = ort.InferenceSession(str(tmp_path / "ours.onnx")).run(None, feeds)[0]
@@ -106,7 +106,7 @@ def test_outputs_equal_onnxruntime_quantizer_and_track_float(tmp_path: Path) -> 
 def test_exclude_keeps_float_matmul_like_nodes_to_exclude() -> None:
     rng = np.random.default_rng(2)
     weights = {"w0": _weight(rng, 64, 64, np.float32), "w1": _weight(rng, 64, 32, np.float32)}
-    ours = quantize_matmuls(_model(weights), 32, 4, exclude=lambda node: node.name == "w1/MatMul")
+    ours = quantize_matmuls(_model(weights), lambda node: None if node.name == "w1/MatMul" else QuantScheme(), 4)
     _assert_same(ir.to_proto(ours), _reference(weights, 32, True, 4, exclude=["w1/MatMul"]))
     ops = [n.op_type for n in ours.graph]
     assert ops == ["MatMulNBits", "MatMul", "MatMul"] and "w1" in ours.graph.initializers
@@ -131,7 +131,7 @@ def test_matmul_inside_a_subgraph_uses_the_outer_initializer() -> None:
     if_node.outputs[0].type, if_node.outputs[0].shape = ir.TensorType(ir.DataType.FLOAT), ir.Shape(["b", 16])
     model = ir.Model(ir.Graph([x, cond], if_node.outputs, nodes=[if_node], initializers=[init],
                               opset_imports={"": 21}, name="main"), ir_version=10)
-    quantize_matmuls(model, 32, 4)
+    quantize_matmuls(model, QuantScheme(), 4)
     assert sorted(model.graph.initializers) == ["w_Q4", "w_scales"]  # one quantized copy, shared by both branches
     inner = [n for n in ir.traversal.RecursiveGraphIterator(model.graph) if n.op_type.startswith("MatMul")]
     assert [n.op_type for n in inner] == ["MatMulNBits", "MatMulNBits"]
@@ -161,7 +161,7 @@ def test_quantizing_is_lazy_and_streams_one_weight_at_a_time(monkeypatch) -> Non
     model = _model(arrays)
     for name in arrays:
         model.graph.initializers[name].const_value = chunked(name)
-    quantize_matmuls(model, 32, 4)
+    quantize_matmuls(model, QuantScheme(), 4)
     assert reads == []
     proto = ir.to_proto(model)  # serializes every initializer
     assert sorted(reads) == [("w0", 0, 40), ("w0", 40, 80), ("w0", 80, 96), ("w1", 0, 26), ("w1", 26, 32)]
@@ -176,14 +176,13 @@ def test_cache_shares_quantized_tensors_between_models() -> None:
         model.graph.initializers["w0"].const_value = shared
     cache = QuantizationCache()
     for model in models:
-        quantize_matmuls(model, 32, 4, cache=cache)
+        quantize_matmuls(model, QuantScheme(), 4, cache=cache)
     a, b = (m.graph.initializers for m in models)
     assert a["w0_Q4"].const_value is b["w0_Q4"].const_value
     assert a["w0_scales"].const_value is b["w0_scales"].const_value
 
 
 def test_rejects_bad_block_size() -> None:
-    model = _model({"w0": np.zeros((64, 32), np.float32)})
     for block_size in (8, 48):
         with pytest.raises(ValueError, match="block_size"):
-            quantize_matmuls(model, block_size, 4)
+            QuantScheme(block_size=block_size)

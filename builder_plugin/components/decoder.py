@@ -14,8 +14,8 @@ What the subclass changes (genai-builder-internals.md §5, §8, §12):
 - LoRA: per input mode instead of "vision always on". Each adapter is an extra branch ``((x·A)·(s·B))`` added to the
   base MatMul, with one A MatMul per source projection (packed qkv stays one MatMul; gate and up share A). With
   ``merge_lora`` a single adapter is folded into the base weights in fp32 instead.
-- int4: the float graph is rewritten by `builder_plugin.quantize.quantize_matmuls` (lazy, streaming) rather than the
-  builder's whole-graph ``to_nbits``.
+- int4/int8: the float graph is rewritten by `builder_plugin.quantize.quantize_matmuls` (lazy, streaming) with the
+  per-node schemes of `builder_plugin.quant_plan.QuantPlan`, rather than the builder's whole-graph ``to_nbits``.
 - The LongRoPE cos/sin caches, which the builder puts in ``If`` branches as Constant nodes inside ``model.onnx``, are
   hoisted to main-graph initializers so they go to external data and are shared between variants.
 """
@@ -40,6 +40,7 @@ from builder_plugin.components.spec import Component, IOSpec, TensorSpec, check_
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.errors import BuildError, CheckpointError
 from builder_plugin.options import BuildOptions
+from builder_plugin.quant_plan import QuantPlan
 from builder_plugin.quantize import ColumnChunkedTensor, QuantizationCache, quantize_matmuls
 
 # The decoder genai_config.json names, and the other per-mode variants of a routed build.
@@ -559,22 +560,15 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-# Set by the plugin whatever --extra_options says: the graph takes inputs_embeds, is written under our file name, and
-# computes the lm_head for the last position only (all that generation reads; full-prompt logits made prefill ~6x
-# slower at full width).
+# Set by the plugin: the graph takes inputs_embeds, is written under our file name, and computes the lm_head for the
+# last position only (all that generation reads; full-prompt logits made prefill ~6x slower at full width).
 _FIXED_BUILDER_OPTIONS = {"exclude_embeds": True, "prune_lm_head": True}
-_BOOL_WORDS = {"1": True, "true": True, "0": False, "false": False}
 
 
 def _builder_extra_options(options: BuildOptions, filename: str) -> dict[str, Any]:
-    """--extra_options passed through to the GenAI builder (booleans coerced as its CLI does), plus ours."""
-    extra: dict[str, Any] = {}
-    for key, value in options.extra_options.items():
-        text = str(value)
-        extra[key] = int(text) if text.lstrip("-").isdigit() else _BOOL_WORDS.get(text.lower(), value)
-    extra.update(_FIXED_BUILDER_OPTIONS)
-    extra["filename"] = filename
-    return extra
+    """The GenAI builder's extra options. Every accepted --extra_options key is a quantization option, which
+    `QuantPlan` applies to the float graph the builder makes, so none is passed on (extra_options.EXTRA_OPTIONS)."""
+    return {**_FIXED_BUILDER_OPTIONS, "filename": filename}
 
 
 def _check_precision(options: BuildOptions) -> None:
@@ -723,6 +717,7 @@ class DecoderBuilder(ComponentBuilder):
             builder.stamp_build_metadata(model)
             check_io(model, spec, variant.filename)
             if options.quantize:
-                quantize_matmuls(model, options.block_size, options.accuracy_level, cache=quant_cache)
+                plan = QuantPlan.for_decoder(options, config.text.num_hidden_layers)
+                quantize_matmuls(model, plan, options.accuracy_level, cache=quant_cache)
             models[variant.filename] = model
         return models

@@ -67,7 +67,7 @@ def make_parser() -> argparse.ArgumentParser:
                      help="execution provider the package targets (default: %(default)s); no GPU is needed to build")
     tgt.add_argument("--extra_options", nargs="+", default=[], metavar="KEY=VALUE",
                      help="quantization options of the GenAI builder, same names and meanings: "
-                     f"{', '.join(EXTRA_OPTIONS)}; algo_config is one of {'|'.join(ALGO_CONFIGS)}, "
+                     f"{', '.join(EXTRA_OPTIONS)}; algo_config is one of {', '.join(ALGO_CONFIGS)}; "
                      "matmul_mixed_precision e.g. last_matmul:int8,mixed_layers:int8; any other key is refused")
     tgt.add_argument("--max-length", type=int, default=None,
                      help="search.max_length written to genai_config.json: the preallocated KV cache length "

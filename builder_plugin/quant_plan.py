@@ -63,7 +63,9 @@ class QuantPlan:
         _, placement = ALGO_CONFIGS[options.algo_config]
         placement = {**placement, **options.extra["matmul_mixed_precision"]}
         plan = cls.for_encoders(options)
-        return cls(plan.body, mixed_precision_nodes(placement, num_layers), plan.excluded)
+        node_bits = {name: bits for name, bits in mixed_precision_nodes(placement, num_layers).items()
+                     if name not in plan.excluded}
+        return cls(plan.body, node_bits, plan.excluded)
 
     def scheme(self, node_name: str) -> QuantScheme | None:
         if node_name in self.excluded:

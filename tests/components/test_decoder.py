@@ -330,7 +330,8 @@ def test_streaming_quantization_equals_the_stock_builders_whole_graph_pass(choic
 def test_mixed_precision_puts_int8_on_the_stock_builders_nodes(tiny_checkpoint, tiny_config, tiny_weights,
                                                                tmp_path) -> None:
     """k_quant_mixed (the int4 default): lm_head, and qkv_proj / down_proj of the mixed layers (layer 0 of a 2-layer
-    model: i < n/8 or i >= 7n/8 or (i - round(n/8)) % 3 == 2), are 8-bit; o_proj, gate_up_proj and the LoRA branches 4-bit; all k_quant, zero points included."""
+    model: i < n/8 or i >= 7n/8 or (i - round(n/8)) % 3 == 2), are 8-bit; o_proj, gate_up_proj and the LoRA branches
+    4-bit; all k_quant, zero points included."""
     options = _options(tiny_checkpoint, precision="int4", lora="speech")
     _, paths = _build_and_save(tiny_config, tiny_weights, options, tmp_path)
     model = onnx.load(str(paths[MAIN_DECODER]), load_external_data=False)

@@ -12,15 +12,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from builder_plugin.errors import InputError
+from builder_plugin.quantize import METHODS
 
-QUANTIZED_PRECISIONS: tuple[str, ...] = ("int4", "int8")
+# Quant type (also the -p precision of that name) -> bits.
+QUANT_TYPE_BITS: dict[str, int] = {"int4": 4, "int8": 8}
+QUANTIZED_PRECISIONS: tuple[str, ...] = tuple(QUANT_TYPE_BITS)
 
-# algo_config value -> (base method, mixed-precision placement it implies): quant_config._LEGACY_ALGO_ALIASES plus the
-# three base methods.
+# algo_config value -> (base method, mixed-precision placement it implies): the base methods, and
+# quant_config._LEGACY_ALGO_ALIASES.
 ALGO_CONFIGS: dict[str, tuple[str, dict[str, str]]] = {
-    "default": ("default", {}),
-    "rtn": ("rtn", {}),
-    "k_quant": ("k_quant", {}),
+    **{method: (method, {}) for method in METHODS},
     "rtn_last": ("rtn", {"last_matmul": "int8"}),
     "k_quant_last": ("k_quant", {"last_matmul": "int8"}),
     "k_quant_mixed": ("k_quant", {"last_matmul": "int8", "mixed_layers": "int8"}),
@@ -30,7 +31,6 @@ ALGO_CONFIGS: dict[str, tuple[str, dict[str, str]]] = {
 # mix in and the MLAS int8 kernel is both the fastest to build and, per the stock builder's notes, the more accurate.
 DEFAULT_ALGO_CONFIG: dict[str, str] = {"int4": "k_quant_mixed", "int8": "default"}
 MIXED_SELECTORS: tuple[str, ...] = ("last_matmul", "mixed_layers", "linear_attn")
-QUANT_TYPE_BITS: dict[str, int] = {"int4": 4, "int8": 8}
 BLOCK_SIZES: tuple[int, ...] = (16, 32, 64, 128, 256)
 OP_TYPES: tuple[str, ...] = ("MatMul", "Gather")
 _BOOL_WORDS = {"1": True, "true": True, "True": True, "0": False, "false": False, "False": False}

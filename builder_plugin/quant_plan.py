@@ -19,7 +19,6 @@ from builder_plugin.options import BuildOptions
 from builder_plugin.quantize import QuantScheme
 
 LM_HEAD_NODE = "/lm_head/MatMul"
-_BODY_BITS = {"int4": 4, "int8": 8}
 
 
 def mixed_precision_nodes(placement: Mapping[str, str], num_layers: int) -> dict[str, int]:
@@ -55,7 +54,7 @@ class QuantPlan:
     def for_encoders(cls, options: BuildOptions) -> QuantPlan:
         method, _ = ALGO_CONFIGS[options.algo_config]
         extra = options.extra
-        body = QuantScheme(_BODY_BITS[options.precision], extra["block_size"], extra["is_symmetric"], method)
+        body = QuantScheme(QUANT_TYPE_BITS[options.precision], extra["block_size"], extra["is_symmetric"], method)
         return cls(body, excluded=extra["nodes_to_exclude"])
 
     @classmethod

@@ -24,6 +24,7 @@ from builder_plugin.config import Phi4MMConfig, read_json
 from builder_plugin.errors import BuildError, InputError
 from builder_plugin.options import BuildOptions
 from builder_plugin.package import DATA_FILES, FILENAMES, OutputFolder, PackageWriter
+from builder_plugin.quantize import QuantizationCache
 from genai_config import (
     GENAI_CONFIG_FILE,
     SPEECH_PROCESSOR_FILE,
@@ -109,10 +110,12 @@ def build(options: BuildOptions, progress: bool = True) -> BuildResult:
         writer = PackageWriter(staging, progress=progress)
         specs: dict[Component, IOSpec] = {}
         filenames: dict[Component, str] = {}
+        quant_cache = QuantizationCache()
         for step, component in enumerate(components, 1):
             if progress:
                 print(f"[{step}/{len(components)}] {component.value}: building the graph", file=sys.stderr, flush=True)
             builder = classes[component](config, options)
+            builder.quant_cache = quant_cache
             spec = builder.io_spec(config, options.io_dtype, options.execution_provider)
             models = builder.build(weights[component])
             for filename, model in models.items():

@@ -21,7 +21,7 @@ bounds the float working set to one slab instead of one whole [K, N] matrix.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
 import numpy as np
@@ -81,14 +81,16 @@ class ColumnChunkedTensor(ir.LazyTensor):
     """A lazily computed 2-D weight [K, N] that can also produce any column range [K, c1 - c0] on its own.
 
     `columns(c0, c1)` must return a C-contiguous array of the tensor's dtype; the whole tensor is `columns(0, N)`.
+    `key`, if given, identifies the content: tensors with equal keys hold the same values (QuantizationCache).
     """
 
     def __init__(self, columns: Callable[[int, int], np.ndarray], dtype: ir.DataType, shape: tuple[int, int],
-                 name: str) -> None:
+                 name: str, key: Hashable | None = None) -> None:
         k, n = shape
         super().__init__(lambda: ir.tensor(columns(0, n), dtype=dtype, name=name), dtype=dtype,
                          shape=ir.Shape((k, n)), name=name)
         self.columns = columns
+        self.key = key
 
 
 @dataclass(frozen=True)
@@ -237,14 +239,16 @@ def _neural_compressor(weight: np.ndarray, lay: _Layout, scheme: QuantScheme, pa
 
 class QuantizationCache:
     """Shares the quantized form of a float weight between graphs that reference the same weight object (the decoder
-    variants), so each weight is quantized once per save and written once by a writer that deduplicates by object."""
+    variants) or a weight with the same `ColumnChunkedTensor.key` (the embedding's copy of the tied lm_head), so each
+    weight is quantized once per save and written once by a writer that deduplicates by object."""
 
     def __init__(self) -> None:
-        self._by_source: dict[tuple[int, QuantScheme], tuple[ir.TensorProtocol, dict[str, ir.LazyTensor]]] = {}
+        self._by_source: dict[tuple[Hashable, QuantScheme], tuple[ir.TensorProtocol, dict[str, ir.LazyTensor]]] = {}
 
     def tensors(self, source: ir.TensorProtocol, scheme: QuantScheme,
                 names: dict[str, str]) -> dict[str, ir.LazyTensor]:
-        key = (id(source), scheme)
+        content = source.key if isinstance(source, ColumnChunkedTensor) else None
+        key = (id(source) if content is None else content, scheme)
         entry = self._by_source.get(key)
         if entry is None or any(entry[1][p].name != names[p] for p in names):
             weight = QuantizedWeight(source, scheme)

@@ -41,7 +41,7 @@ from builder_plugin.config import Phi4MMConfig
 from builder_plugin.errors import BuildError, CheckpointError
 from builder_plugin.options import BuildOptions
 from builder_plugin.quant_plan import QuantPlan
-from builder_plugin.quantize import ColumnChunkedTensor, QuantizationCache, quantize_matmuls
+from builder_plugin.quantize import ColumnChunkedTensor, quantize_matmuls
 
 # The decoder genai_config.json names, and the other per-mode variants of a routed build.
 MAIN_DECODER = "phi-4-mm-text.onnx"
@@ -191,7 +191,7 @@ class WeightTensors:
         return tensor
 
     def _tensor(self, key: tuple[Any, ...], name: str, shape: tuple[int, int],
-                rows: Callable[[int, int], torch.Tensor]) -> ColumnChunkedTensor:
+                rows: Callable[[int, int], torch.Tensor], content: tuple | None = None) -> ColumnChunkedTensor:
         key = (*key, name)
         tensor = self._cache.get(key)
         if tensor is None:
@@ -200,13 +200,14 @@ class WeightTensors:
             def columns(c0: int, c1: int) -> np.ndarray:
                 return rows(c0, c1).to(torch_dtype).T.contiguous().numpy()
 
-            tensor = ColumnChunkedTensor(columns, _IR_DTYPES[self.dtype], shape, name)
+            tensor = ColumnChunkedTensor(columns, _IR_DTYPES[self.dtype], shape, name, key=content)
             self._cache[key] = tensor
         return tensor
 
     def base(self, weight: _Rows, name: str) -> ColumnChunkedTensor:
         k = weight.ref.shape[1]
-        return self._tensor(("base", weight), name, (k, weight.count), weight.load)
+        return self._tensor(("base", weight), name, (k, weight.count), weight.load,
+                            content=weight.ref.columns_key(weight.start, weight.stop, self.dtype))
 
     def merged(self, weight: _Rows, branch: LoraBranch, name: str) -> ColumnChunkedTensor:
         k = weight.ref.shape[1]
@@ -702,7 +703,7 @@ class DecoderBuilder(ComponentBuilder):
         variants = decoder_variants(config, options)
         tensors = WeightTensors(options.io_dtype)
         rope_caches: dict[str, ir.TensorProtocol] = {}
-        quant_cache = QuantizationCache()
+        quant_cache = self.quant_cache
         spec = self.io_spec(config, options.io_dtype, options.execution_provider)
         models: dict[str, ir.Model] = {}
         for variant in variants:

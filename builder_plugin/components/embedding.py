@@ -45,7 +45,7 @@ from builder_plugin.errors import SpecMismatchError
 from builder_plugin.graph import GraphBuilder
 from builder_plugin.options import BuildOptions
 from builder_plugin.quant_plan import LM_HEAD_NODE, QuantPlan
-from builder_plugin.quantize import ColumnChunkedTensor, QuantizedWeight, QuantScheme
+from builder_plugin.quantize import ColumnChunkedTensor, QuantScheme
 
 EMBEDDING_FILENAME = "phi-4-mm-embedding.onnx"
 TOKEN_TABLE = "embed_tokens.weight"  # routed local name; also the initializer name of the "rows" layout
@@ -134,10 +134,12 @@ class EmbeddingBuilder(ComponentBuilder):
             return np.ascontiguousarray(table.load_rows(c0, c1).t().numpy().astype(np_dtype))
 
         scheme = self.lm_head_scheme
-        lm_head = ColumnChunkedTensor(columns, float_dtype, (hidden, vocab), LM_HEAD_WEIGHT)
-        quantized = QuantizedWeight(lm_head, scheme)
-        pieces = [g.initializer(quantized.lazy(piece, name)) for piece, name in scheme.names(LM_HEAD_WEIGHT).items()]
-        blocks, blob = quantized.layout.k_blocks, quantized.layout.blob_size
+        lm_head = ColumnChunkedTensor(columns, float_dtype, (hidden, vocab), LM_HEAD_WEIGHT,
+                                      key=table.columns_key(0, vocab, self.options.weight_dtype))
+        # the decoder's lm_head finds these very tensors in the shared cache: quantized once, written once
+        tensors = self.quant_cache.tensors(lm_head, scheme, scheme.names(LM_HEAD_WEIGHT))
+        pieces = [g.initializer(tensor) for tensor in tensors.values()]
+        _, blocks, blob = (int(d) for d in tensors["packed"].shape)
         flat = g.op("Reshape", pieces[0], g.const([vocab, blocks * blob]))
         rows = g.op("GatherBlockQuantized", flat, ids, *pieces[1:], domain="com.microsoft", bits=scheme.bits,
                     block_size=scheme.block_size, gather_axis=0, quantize_axis=1)

@@ -238,13 +238,22 @@ def _dequantized_rows(node: onnx.NodeProto, tensors: dict[str, np.ndarray], hidd
     ("int4", {"algo_config": "default", "nodes_to_exclude": "/lm_head/MatMul"}),
 ])
 def test_every_quantization_choice_reads_the_decoders_lm_head_stored_once(precision, extra, tmp_path,
-                                                                          tiny_checkpoint, tiny_config):
+                                                                          tiny_checkpoint, tiny_config, monkeypatch):
     """Whatever the lm_head becomes (int8, k_quant with zero points, asymmetric RTN, or float when excluded), the
-    embedding reads exactly the decoder's lm_head weights, stored once: its lookup equals the rows the decoder's
-    MatMulNBits dequantizes (or multiplies by, when float)."""
+    embedding reads exactly the decoder's lm_head weights, quantized once and stored once: its lookup equals the rows
+    the decoder's MatMulNBits dequantizes (or multiplies by, when float)."""
+    from builder_plugin import quantize
     from builder_plugin.build import build
     from builder_plugin.components.spec import Component as C
 
+    computed = []
+    compute = quantize.QuantizedWeight._compute
+
+    def counting(self):
+        computed.append(self.source.name)
+        return compute(self)
+
+    monkeypatch.setattr(quantize.QuantizedWeight, "_compute", counting)
     folder = tmp_path / "pkg"
     build(BuildOptions(model_dir=tiny_checkpoint, output_dir=folder, precision=precision, lora="none",
                        components=frozenset({C.EMBEDDING, C.DECODER}), extra_options=extra), progress=False)
@@ -254,6 +263,7 @@ def test_every_quantization_choice_reads_the_decoders_lm_head_stored_once(precis
     tensors = {t.name: onnx.numpy_helper.to_array(t) for t in decoder.graph.initializer}
     hidden = tiny_config.text.hidden_size
     if lm_head.op_type == "MatMulNBits":
+        assert computed.count("lm_head.MatMul.weight") == 1
         rows = _dequantized_rows(lm_head, tensors, hidden)
         assert "GatherBlockQuantized" in {n.op_type for n in embedding.graph.node}
     else:

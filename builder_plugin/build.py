@@ -1,7 +1,7 @@
 """The build pipeline: checkpoint folder -> four-model phi4mm package.
 
 config.json is parsed once, the checkpoint is indexed lazily and every tensor routed, then each selected component
-builds its graph(s), which are checked against the component's I/O spec, quantized for int4 and written with shared
+builds its graph(s), which are checked against the component's I/O spec, quantized for int4/int8 and written with shared
 external data into a staging folder that replaces the output only when everything succeeded.
 """
 
@@ -24,6 +24,7 @@ from builder_plugin.config import Phi4MMConfig, read_json
 from builder_plugin.errors import BuildError, InputError
 from builder_plugin.options import BuildOptions
 from builder_plugin.package import DATA_FILES, FILENAMES, OutputFolder, PackageWriter
+from builder_plugin.quantize import QuantizationCache
 from builder_plugin.runtime.manifest import Manifest
 from genai_config import (
     GENAI_CONFIG_FILE,
@@ -70,8 +71,9 @@ def builder_class(component: Component) -> type[ComponentBuilder]:
 
 
 def validate_options(options: BuildOptions, config: Phi4MMConfig) -> None:
+    options.extra  # noqa: B018  - parses every --extra_options key, raising InputError on a bad one
     if options.precision == "fp16" and options.execution_provider == "cpu":
-        raise InputError("fp16 builds are for -e cuda, dml or webgpu; on cpu use -p fp32 or -p int4")
+        raise InputError("fp16 builds are for -e cuda, dml or webgpu; on cpu use -p fp32, int4 or int8")
     wanted = {"vision": ["vision"], "speech": ["speech"], "vision+speech": ["vision", "speech"],
               "routed": ["vision", "speech"], "split": ["vision", "speech"], "none": []}[options.lora]
     missing = [name for name in wanted if name not in config.loras]
@@ -109,18 +111,21 @@ def build(options: BuildOptions, progress: bool = True) -> BuildResult:
         writer = PackageWriter(staging, progress=progress)
         specs: dict[Component, IOSpec] = {}
         filenames: dict[Component, str] = {}
+        quant_cache = QuantizationCache()
         for step, component in enumerate(components, 1):
             if progress:
                 print(f"[{step}/{len(components)}] {component.value}: building the graph", file=sys.stderr, flush=True)
             builder = classes[component](config, options)
+            builder.quant_cache = quant_cache
             spec = builder.spec_for(config, options)
             models = builder.build(weights[component])
             for filename, model in models.items():
                 check_io(model, spec, filename)
                 if _quantized(component, options):
+                    from builder_plugin.quant_plan import QuantPlan
                     from builder_plugin.quantize import quantize_matmuls
 
-                    model = quantize_matmuls(model, options.block_size, options.accuracy_level)
+                    model = quantize_matmuls(model, QuantPlan.for_encoders(options), options.accuracy_level)
                 writer.save(model, filename, DATA_FILES[component])
             specs[component] = spec
             filenames[component] = FILENAMES[component]

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from builder_plugin.components.spec import Component
 from builder_plugin.errors import BuildError, InputError
+from builder_plugin.extra_options import ALGO_CONFIGS, DEFAULT_ALGO_CONFIG, EXTRA_OPTIONS, check_extra_options
 from builder_plugin.options import EXECUTION_PROVIDERS, LORA_CHOICES, PRECISIONS, BuildOptions
 
 COMPONENT_ALIASES: dict[str, frozenset[Component]] = {
@@ -60,12 +61,14 @@ def make_parser() -> argparse.ArgumentParser:
     src.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     tgt = p.add_argument_group("target")
     tgt.add_argument("-p", "--precision", choices=PRECISIONS, default="int4",
-                     help="fp32, fp16 (cuda/dml/webgpu) or int4 (MatMulNBits weights; default: %(default)s)")
+                     help="fp32, fp16 (cuda/dml/webgpu), int4 or int8 (MatMulNBits weights; default: %(default)s, "
+                     f"quantized with algo_config={DEFAULT_ALGO_CONFIG['int4']} unless --extra_options says otherwise)")
     tgt.add_argument("-e", "--execution_provider", choices=EXECUTION_PROVIDERS, default="cpu",
                      help="execution provider the package targets (default: %(default)s); no GPU is needed to build")
     tgt.add_argument("--extra_options", nargs="+", default=[], metavar="KEY=VALUE",
-                     help="passed to the GenAI builder for the decoder, e.g. block_size=32 accuracy_level=4 "
-                     "(block_size and accuracy_level also apply to the encoders' int4 weights)")
+                     help="quantization options of the GenAI builder, same names and meanings: "
+                     f"{', '.join(EXTRA_OPTIONS)}; algo_config is one of {', '.join(ALGO_CONFIGS)}; "
+                     "matmul_mixed_precision e.g. last_matmul:int8,mixed_layers:int8; any other key is refused")
     tgt.add_argument("--max-length", type=int, default=None,
                      help="search.max_length written to genai_config.json: the preallocated KV cache length "
                      "(default: min(16384, context length))")
@@ -80,7 +83,7 @@ def make_parser() -> argparse.ArgumentParser:
                      help="comma-separated subset to build: vision, speech, embedding, decoder, text "
                      "(= embedding+decoder) or all (default). A runnable package needs vision and text.")
     plg.add_argument("--float-encoders", action="store_true",
-                     help="with -p int4, keep the vision and speech encoders in float")
+                     help="with -p int4/int8, keep the vision and speech encoders in float")
     plg.add_argument("--list-routes", action="store_true",
                      help="print where every checkpoint tensor goes (component and name) and exit")
     plg.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -116,6 +119,8 @@ def _fail(message: str, verbose: bool) -> int:
 def _run(args: argparse.Namespace) -> int:
     from builder_plugin.hub import resolve_model_dir
 
+    extra_options = parse_extra_options(args.extra_options)
+    check_extra_options(extra_options, args.precision)  # before any download or graph
     model_dir = resolve_model_dir(args.model_name, args.input, Path(args.cache_dir))
     if args.list_routes:
         from builder_plugin.checkpoint.routing import describe_routes
@@ -139,7 +144,7 @@ def _run(args: argparse.Namespace) -> int:
         quantize_encoders=not args.float_encoders,
         max_length=args.max_length,
         overwrite=args.overwrite,
-        extra_options=parse_extra_options(args.extra_options),
+        extra_options=extra_options,
     )
     from builder_plugin.build import build
 

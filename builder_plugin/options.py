@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from builder_plugin.components.spec import Component
+from builder_plugin.extra_options import DEFAULT_ALGO_CONFIG, QUANTIZED_PRECISIONS, check_extra_options
 
-Precision = Literal["fp32", "fp16", "int4"]
+Precision = Literal["fp32", "fp16", "int4", "int8"]
 ExecutionProvider = Literal["cpu", "cuda", "dml", "webgpu"]
 LoraChoice = Literal["routed", "split", "vision", "speech", "none", "vision+speech"]
 
-PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "int4")
+PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "int4", "int8")
 EXECUTION_PROVIDERS: tuple[str, ...] = ("cpu", "cuda", "dml", "webgpu")
 LORA_CHOICES: tuple[str, ...] = ("routed", "split", "vision", "speech", "none", "vision+speech")
 ALL_COMPONENTS: frozenset[Component] = frozenset(Component)
@@ -35,8 +36,8 @@ class BuildOptions:
 
     @property
     def io_dtype(self) -> str:
-        """Graph I/O dtype, as the GenAI builder chooses it: fp32 for fp32 builds and CPU int4, else fp16."""
-        if self.precision == "fp32" or (self.precision == "int4" and self.execution_provider == "cpu"):
+        """Graph I/O dtype, as the GenAI builder chooses it: fp32 for fp32 builds and CPU int4/int8, else fp16."""
+        if self.precision == "fp32" or (self.quantize and self.execution_provider == "cpu"):
             return "float32"
         return "float16"
 
@@ -46,14 +47,23 @@ class BuildOptions:
         return "float32" if self.precision == "fp32" else self.io_dtype
 
     @property
+    def extra(self) -> dict[str, Any]:
+        """--extra_options parsed, with their defaults (extra_options.EXTRA_OPTIONS)."""
+        return check_extra_options(self.extra_options, self.precision)
+
+    @property
     def block_size(self) -> int:
-        return int(self.extra_options.get("block_size", 32))
+        return self.extra["block_size"]
 
     @property
     def accuracy_level(self) -> int:
-        default = 4 if self.execution_provider in ("cpu", "webgpu") else 0
-        return int(self.extra_options.get("accuracy_level", default))
+        chosen = self.extra["accuracy_level"]
+        return chosen if chosen is not None else (4 if self.execution_provider in ("cpu", "webgpu") else 0)
+
+    @property
+    def algo_config(self) -> str:
+        return self.extra["algo_config"] or DEFAULT_ALGO_CONFIG.get(self.precision, "default")
 
     @property
     def quantize(self) -> bool:
-        return self.precision == "int4"
+        return self.precision in QUANTIZED_PRECISIONS

@@ -162,3 +162,36 @@ def test_components_option_parses_aliases() -> None:
     assert cli.parse_components("all") == set(Component)
     with pytest.raises(Exception, match="unknown component"):
         cli.parse_components("audio")
+
+
+@pytest.mark.parametrize(("extra", "needles"), [
+    (["no_such_option=1"], ["no_such_option", "accepted: algo_config"]),
+    (["block_size=32", "int4_algo_config=k_quant"], ["int4_algo_config", "use algo_config"]),
+    (["exclude_embeds=false"], ["exclude_embeds", "set by builder_plugin"]),
+    (["algo_config=gptq"], ["algo_config=gptq", "k_quant_mixed"]),
+    (["matmul_mixed_precision=first_matmul:int8"], ["matmul_mixed_precision", "first_matmul"]),
+    (["block_size=48"], ["block_size=48"]),
+    (["op_types_to_quantize=Gather"], ["op_types_to_quantize", "MatMul"]),
+    (["is_symmetric=maybe"], ["is_symmetric"]),
+])
+def test_bad_extra_option_is_refused_before_anything_is_written(tmp_path: Path, tiny_checkpoint: Path, extra,
+                                                                needles) -> None:
+    out = tmp_path / "out"
+    result = run_cli("-i", str(tiny_checkpoint), "-o", str(out), "--extra_options", *extra)
+    assert_one_line_error(result, *needles)
+    assert not out.exists() and not partial_folders(tmp_path)
+
+
+def test_quantization_option_on_a_float_build_is_refused(tmp_path: Path, tiny_checkpoint: Path) -> None:
+    result = run_cli("-i", str(tiny_checkpoint), "-o", str(tmp_path / "out"), "-p", "fp32",
+                     "--extra_options", "algo_config=rtn")
+    assert_one_line_error(result, "algo_config", "-p int4 and -p int8")
+    assert not (tmp_path / "out").exists()
+
+
+def test_every_accepted_extra_option_is_in_the_help() -> None:
+    from builder_plugin.extra_options import ALGO_CONFIGS, EXTRA_OPTIONS
+
+    text = " ".join(cli.make_parser().format_help().split())
+    for name in [*EXTRA_OPTIONS, *ALGO_CONFIGS]:
+        assert name in text, name

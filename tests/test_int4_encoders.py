@@ -1,4 +1,5 @@
-"""-p int4 quantizes the vision and speech encoders' MatMuls (MatMulNBits); the graphs run and stay close to fp32."""
+"""-p int4 / int8 quantize the vision and speech encoders' MatMuls (MatMulNBits): the graphs run and stay close to
+fp32, and each quantization choice gives the bytes onnxruntime's MatMulNBitsQuantizer makes of the fp32 graph."""
 
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ from builder_plugin.testing.processor import processor_inputs
 MIN_COSINE = {Component.VISION: 0.9, Component.SPEECH: 0.9}
 
 
-def _build(checkpoint: Path, out: Path, component: Component, precision: str, float_encoders: bool = False) -> Path:
+def _build(checkpoint: Path, out: Path, component: Component, precision: str, float_encoders: bool = False,
+           extra: dict[str, str] | None = None) -> Path:
     build(BuildOptions(model_dir=checkpoint, output_dir=out, precision=precision, execution_provider="cpu",
-                       components=frozenset({component}), quantize_encoders=not float_encoders), progress=False)
+                       components=frozenset({component}), quantize_encoders=not float_encoders,
+                       extra_options=extra or {}), progress=False)
     return out / FILENAMES[component]
 
 
@@ -53,3 +56,43 @@ def test_int4_encoder_runs_close_to_fp32(component, tiny_checkpoint, media_dir, 
     assert cosine >= MIN_COSINE[component]
     kept = _build(tiny_checkpoint, tmp_path / "float", component, "int4", float_encoders=True)
     assert "MatMulNBits" not in {n.op_type for n in onnx.load(str(kept), load_external_data=False).graph.node}
+
+
+# The selectors of the mixed-precision choices name decoder nodes, so an encoder gets the body's method and bits.
+# Tiny speech has K = 96 matrices (3 blocks): with zero points (k_quant) the reference cannot pack them
+# (test_quantize.py), so k_quant is compared on vision.
+ENCODER_CHOICES = [
+    (Component.VISION, "int4", {}, "k_quant", 4),  # the default, k_quant_mixed
+    (Component.SPEECH, "int4", {"algo_config": "rtn"}, "rtn", 4),
+    (Component.SPEECH, "int8", {}, "default", 8),
+]
+
+
+@pytest.mark.parametrize(("component", "precision", "extra", "method", "bits"), ENCODER_CHOICES,
+                         ids=lambda v: getattr(v, "value", None) or str(v))
+def test_encoder_quantization_equals_onnxruntime_quantizer(component, precision, extra, method, bits,
+                                                           tiny_checkpoint, tmp_path) -> None:
+    from onnxruntime.quantization.matmul_nbits_quantizer import (
+        KQuantWeightOnlyQuantConfig,
+        MatMulNBitsQuantizer,
+        RTNWeightOnlyQuantConfig,
+    )
+
+    float_model = onnx.load(str(_build(tiny_checkpoint, tmp_path / "fp32", component, "fp32")))
+    algo_config = None
+    if method != "default":
+        config = {n.name: {"bits": bits} for n in float_model.graph.node if n.op_type == "MatMul"}
+        algo_config = {"rtn": RTNWeightOnlyQuantConfig, "k_quant": KQuantWeightOnlyQuantConfig}[method](
+            customized_weight_config=config)
+    quantizer = MatMulNBitsQuantizer(float_model, bits=bits, block_size=32, is_symmetric=True, accuracy_level=4,
+                                     algo_config=algo_config)
+    quantizer.process()
+    theirs = quantizer.model.model
+    ours = onnx.load(str(_build(tiny_checkpoint, tmp_path / "q", component, precision, extra=extra)))
+    a = {t.name: onnx.numpy_helper.to_array(t) for t in ours.graph.initializer}
+    b = {t.name: onnx.numpy_helper.to_array(t) for t in theirs.graph.initializer}
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and a[name].tobytes() == b[name].tobytes(), name
+    nodes = [sorted(n.SerializeToString() for n in m.graph.node if n.op_type == "MatMulNBits") for m in (ours, theirs)]
+    assert nodes[0] == nodes[1] and nodes[0]

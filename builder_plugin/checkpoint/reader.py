@@ -81,6 +81,11 @@ class TensorRef:
             tensor = self._read(0, self.numel * stored.itemsize, stored).reshape(self.shape)
         return tensor if dtype is None or tensor.dtype == dtype else tensor.to(dtype)
 
+    def columns_key(self, start: int, stop: int, dtype: str) -> tuple:
+        """Identity of the weight whose columns are rows [start, stop) of this tensor in `dtype` (a MatMul B made
+        from it), for `ColumnChunkedTensor.key`: graphs that build it separately then share one quantized copy."""
+        return ("columns", self, start, stop, dtype)
+
     def load_rows(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows [start, stop) of a 2-D tensor, converted to `dtype` (one positioned read: only these rows are ever
         resident)."""

@@ -12,6 +12,7 @@ from builder_plugin.checkpoint.reader import TensorRef
 from builder_plugin.components.spec import Component, IOSpec
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.options import BuildOptions
+from builder_plugin.quantize import QuantizationCache
 
 BUILDERS: dict[Component, type[ComponentBuilder]] = {}
 
@@ -28,6 +29,8 @@ class ComponentBuilder(ABC):
     def __init__(self, config: Phi4MMConfig, options: BuildOptions) -> None:
         self.config = config
         self.options = options
+        # build() hands every component one cache, so the embedding and the decoder share the token table's blocks
+        self.quant_cache = QuantizationCache()
 
     @classmethod
     @abstractmethod

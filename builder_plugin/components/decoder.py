@@ -16,8 +16,8 @@ What the subclass changes (genai-builder-internals.md §5, §8, §12):
   ``merge_lora`` a single adapter is folded into the base weights in fp32 instead. The default ``routed`` decoder holds
   both adapters behind ``If`` nodes and picks one per conversation from the placeholder ids (`mode_routing`); ``split``
   writes one decoder file per input mode instead.
-- int4: the float graph is rewritten by `builder_plugin.quantize.quantize_matmuls` (lazy, streaming) rather than the
-  builder's whole-graph ``to_nbits``.
+- int4/int8: the float graph is rewritten by `builder_plugin.quantize.quantize_matmuls` (lazy, streaming) with the
+  per-node schemes of `builder_plugin.quant_plan.QuantPlan`, rather than the builder's whole-graph ``to_nbits``.
 - The LongRoPE cos/sin caches, which the builder puts in ``If`` branches as Constant nodes inside ``model.onnx``, are
   hoisted to main-graph initializers so they go to external data and are shared between variants.
 """
@@ -43,7 +43,8 @@ from builder_plugin.components.spec import Component, IOSpec, TensorSpec, check_
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.errors import BuildError, CheckpointError
 from builder_plugin.options import BuildOptions
-from builder_plugin.quantize import ColumnChunkedTensor, QuantizationCache, quantize_matmuls
+from builder_plugin.quant_plan import QuantPlan
+from builder_plugin.quantize import ColumnChunkedTensor, quantize_matmuls
 
 # The decoder genai_config.json names, and the other per-mode files of a split build (--lora split).
 MAIN_DECODER = "phi-4-mm-text.onnx"
@@ -209,7 +210,7 @@ class WeightTensors:
         return tensor
 
     def _tensor(self, key: tuple[Any, ...], name: str, shape: tuple[int, int],
-                rows: Callable[[int, int], torch.Tensor]) -> ColumnChunkedTensor:
+                rows: Callable[[int, int], torch.Tensor], content: tuple | None = None) -> ColumnChunkedTensor:
         key = (*key, name)
         tensor = self._cache.get(key)
         if tensor is None:
@@ -218,13 +219,14 @@ class WeightTensors:
             def columns(c0: int, c1: int) -> np.ndarray:
                 return rows(c0, c1).to(torch_dtype).T.contiguous().numpy()
 
-            tensor = ColumnChunkedTensor(columns, _IR_DTYPES[self.dtype], shape, name)
+            tensor = ColumnChunkedTensor(columns, _IR_DTYPES[self.dtype], shape, name, key=content)
             self._cache[key] = tensor
         return tensor
 
     def base(self, weight: _Rows, name: str) -> ColumnChunkedTensor:
         k = weight.ref.shape[1]
-        return self._tensor(("base", weight), name, (k, weight.count), weight.load)
+        return self._tensor(("base", weight), name, (k, weight.count), weight.load,
+                            content=weight.ref.columns_key(weight.start, weight.stop, self.dtype))
 
     def merged(self, weight: _Rows, branch: LoraBranch, name: str) -> ColumnChunkedTensor:
         k = weight.ref.shape[1]
@@ -578,22 +580,15 @@ def _quiet() -> Iterator[None]:
         yield
 
 
-# Set by the plugin whatever --extra_options says: the graph takes inputs_embeds, is written under our file name, and
-# computes the lm_head for the last position only (all that generation reads; full-prompt logits made prefill ~6x
-# slower at full width).
+# Set by the plugin: the graph takes inputs_embeds, is written under our file name, and computes the lm_head for the
+# last position only (all that generation reads; full-prompt logits made prefill ~6x slower at full width).
 _FIXED_BUILDER_OPTIONS = {"exclude_embeds": True, "prune_lm_head": True}
-_BOOL_WORDS = {"1": True, "true": True, "0": False, "false": False}
 
 
 def _builder_extra_options(options: BuildOptions, filename: str) -> dict[str, Any]:
-    """--extra_options passed through to the GenAI builder (booleans coerced as its CLI does), plus ours."""
-    extra: dict[str, Any] = {}
-    for key, value in options.extra_options.items():
-        text = str(value)
-        extra[key] = int(text) if text.lstrip("-").isdigit() else _BOOL_WORDS.get(text.lower(), value)
-    extra.update(_FIXED_BUILDER_OPTIONS)
-    extra["filename"] = filename
-    return extra
+    """The GenAI builder's extra options. Every accepted --extra_options key is a quantization option, which
+    `QuantPlan` applies to the float graph the builder makes, so none is passed on (extra_options.EXTRA_OPTIONS)."""
+    return {**_FIXED_BUILDER_OPTIONS, "filename": filename}
 
 
 def _check_precision(options: BuildOptions) -> None:
@@ -739,7 +734,7 @@ class DecoderBuilder(ComponentBuilder):
         variants = decoder_variants(config, options)
         tensors = WeightTensors(options.io_dtype)
         rope_caches: dict[str, ir.TensorProtocol] = {}
-        quant_cache = QuantizationCache()
+        quant_cache = self.quant_cache
         spec = self.spec_for(config, options)
         text = config.text
         models: dict[str, ir.Model] = {}
@@ -752,13 +747,17 @@ class DecoderBuilder(ComponentBuilder):
             model.graph.sort()
             _hoist_rope_caches(model, rope_caches)
             _fix_declared_shapes(model)
+            if options.quantize:
+                plan = QuantPlan.for_decoder(options, config.text.num_hidden_layers)
+                quantize_matmuls(model, plan, options.accuracy_level, cache=quant_cache)
             if variant.self_routing:
+                # After quantizing: the adapters are then main-graph branches, as onnxruntime's quantizer (which
+                # leaves If bodies float for rtn / k_quant) sees the split variants; routing moves the quantized
+                # nodes into the Ifs unchanged.
                 is_vision, is_speech = add_mode_state(model, text.num_hidden_layers, text.num_key_value_heads,
                                                       text.head_dim)
                 route_lora_branches(model, is_vision, is_speech)
             builder.stamp_build_metadata(model)
             check_io(model, spec, variant.filename)
-            if options.quantize:
-                quantize_matmuls(model, options.block_size, options.accuracy_level, cache=quant_cache)
             models[variant.filename] = model
         return models

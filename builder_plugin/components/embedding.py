@@ -20,11 +20,12 @@ Token table layout (``table_layout``), measured with ORT 1.32 on 2 loaded cores 
   not in cache), 100 prompt tokens ~100 ms, 1000 prompt tokens ~0.8-0.9 s (one strided read per element). Its bytes
   are exactly the tied lm_head MatMul weight of the decoder, so the shared data file stores the table once (2.46 GB
   saved in fp32, 1.23 GB in fp16).
-- "quantized" (int4 builds): GatherBlockQuantized over the tied lm_head's MatMulNBits weights and scales, as the GenAI
-  builder does for tied embeddings. They are computed by the same quantizer from the same float values, so they are
-  byte-identical to the decoder's and stored once; the lookup dequantizes only the gathered rows.
-The default is "transposed" for float builds (the extra ~0.2 ms per decode step and ~1 ms per prompt token are ~1% of
-a full-size decoder step) and "quantized" for int4 builds.
+- "quantized" (int4/int8 builds): GatherBlockQuantized over the tied lm_head's MatMulNBits weights, scales and zero
+  points, as the GenAI builder does for tied embeddings, with the lm_head's own scheme (4 or 8 bits, any method: a
+  mixed-precision int8 lm_head gives an 8-bit lookup). They are computed by the same quantizer from the same float
+  values, so they are byte-identical to the decoder's and stored once; the lookup dequantizes only the gathered rows.
+The default is "transposed" for float builds and for an lm_head kept float by nodes_to_exclude (the extra ~0.2 ms per
+decode step and ~1 ms per prompt token are ~1% of a full-size decoder step), else "quantized".
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from builder_plugin.config import Phi4MMConfig
 from builder_plugin.errors import SpecMismatchError
 from builder_plugin.graph import GraphBuilder
 from builder_plugin.options import BuildOptions
-from builder_plugin.quantize import BITS, ColumnChunkedTensor, QuantizedWeight
+from builder_plugin.quant_plan import LM_HEAD_NODE, QuantPlan
+from builder_plugin.quantize import ColumnChunkedTensor, QuantScheme
 
 EMBEDDING_FILENAME = "phi-4-mm-embedding.onnx"
 TOKEN_TABLE = "embed_tokens.weight"  # routed local name; also the initializer name of the "rows" layout
@@ -68,8 +70,13 @@ class EmbeddingBuilder(ComponentBuilder):
     def __init__(self, config: Phi4MMConfig, options: BuildOptions, *,
                  table_layout: TableLayout | None = None) -> None:
         super().__init__(config, options)
+        self.lm_head_scheme: QuantScheme | None = None
+        if options.quantize:  # the decoder's lm_head quantization, which the quantized layout must read
+            self.lm_head_scheme = QuantPlan.for_decoder(options, config.text.num_hidden_layers).scheme(LM_HEAD_NODE)
         if table_layout is None:
-            table_layout = "quantized" if options.quantize else "transposed"
+            table_layout = "quantized" if self.lm_head_scheme is not None else "transposed"
+        if table_layout == "quantized" and self.lm_head_scheme is None:
+            raise ValueError("the quantized table layout needs a quantized lm_head (-p int4/int8, not excluded)")
         if table_layout not in TABLE_LAYOUTS:
             raise ValueError(f"table_layout must be one of {TABLE_LAYOUTS}, got {table_layout!r}")
         self.table_layout = table_layout
@@ -117,8 +124,8 @@ class EmbeddingBuilder(ComponentBuilder):
 
 
     def _quantized_lookup(self, g: GraphBuilder, table: TensorRef, ids: ir.Value) -> ir.Value:
-        """Rows of the int4 lm_head weights (MatMulNBits layout [vocab, blocks, blob]) dequantized by
-        GatherBlockQuantized."""
+        """Rows of the quantized lm_head weights (MatMulNBits layout [vocab, blocks, blob], the decoder's scheme)
+        dequantized by GatherBlockQuantized (4 or 8 bits, with the zero points when the scheme has them)."""
         vocab, hidden = table.shape
         float_dtype = DTYPES[self.options.weight_dtype]
         np_dtype = np.float16 if self.options.weight_dtype == "float16" else np.float32
@@ -126,15 +133,17 @@ class EmbeddingBuilder(ComponentBuilder):
         def columns(c0: int, c1: int) -> np.ndarray:  # columns of lm_head.weight [hidden, vocab] = rows of the table
             return np.ascontiguousarray(table.load_rows(c0, c1).t().numpy().astype(np_dtype))
 
-        lm_head = ColumnChunkedTensor(columns, float_dtype, (hidden, vocab), LM_HEAD_WEIGHT)
-        quantized = QuantizedWeight(lm_head, self.options.block_size, symmetric=True)
-        packed = g.initializer(quantized.lazy("packed", f"{LM_HEAD_WEIGHT}_Q4"))
-        scales = g.initializer(quantized.lazy("scales", f"{LM_HEAD_WEIGHT}_scales"))
-        blocks, blob = quantized.layout.k_blocks, quantized.layout.blob_size
-        flat = g.op("Reshape", packed, g.const([vocab, blocks * blob]))
-        rows = g.op("GatherBlockQuantized", flat, ids, scales, domain="com.microsoft", bits=BITS,
-                    block_size=self.options.block_size, gather_axis=0, quantize_axis=1)
-        padded = blocks * self.options.block_size
+        scheme = self.lm_head_scheme
+        lm_head = ColumnChunkedTensor(columns, float_dtype, (hidden, vocab), LM_HEAD_WEIGHT,
+                                      key=table.columns_key(0, vocab, self.options.weight_dtype))
+        # the decoder's lm_head finds these very tensors in the shared cache: quantized once, written once
+        tensors = self.quant_cache.tensors(lm_head, scheme, scheme.names(LM_HEAD_WEIGHT))
+        pieces = [g.initializer(tensor) for tensor in tensors.values()]
+        _, blocks, blob = (int(d) for d in tensors["packed"].shape)
+        flat = g.op("Reshape", pieces[0], g.const([vocab, blocks * blob]))
+        rows = g.op("GatherBlockQuantized", flat, ids, *pieces[1:], domain="com.microsoft", bits=scheme.bits,
+                    block_size=scheme.block_size, gather_axis=0, quantize_axis=1)
+        padded = blocks * scheme.block_size
         if padded != hidden:  # the quantized rows are padded to whole blocks
             rows = g.op("Slice", rows, g.const([0]), g.const([hidden]), g.const([-1]))
         return rows

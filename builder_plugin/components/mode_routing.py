@@ -38,7 +38,7 @@ FLAG = 1024.0  # large enough that flag / context_length stays a normal fp16 num
 MODE_INPUT = "input_ids"
 ROUTED_ADAPTERS = ("vision", "speech")  # If order: vision first, as an image wins over audio
 
-_LORA_A = re.compile(r"^(?P<owner>.*)/lora_A\.(?P<adapter>\w+)/MatMul$")
+_LORA_A = re.compile(r"^(?P<owner>.*)/lora_A\.(?P<adapter>\w+)/MatMul(_Q\w+)?$")  # quantized: MatMul_Q4...
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from builder_plugin.components.mode_routing import AUDIO_TOKEN_ID, IMAGE_TOKEN_I
 from builder_plugin.components.spec import Component, check_io
 from builder_plugin.options import BuildOptions
 from builder_plugin.package import DATA_FILES, PackageWriter
+from tests.stock_quantizer import stock_to_nbits
 
 DECODE_STEPS = 8
 TOLERANCE = 5e-4
@@ -38,9 +39,9 @@ DATA_FILE = DATA_FILES[Component.DECODER]
 
 
 def _options(checkpoint: Path, precision: str = "fp32", lora: str = "routed", merge: bool = False,
-             provider: str = "cpu") -> BuildOptions:
+             provider: str = "cpu", extra: dict[str, str] | None = None) -> BuildOptions:
     return BuildOptions(model_dir=checkpoint, output_dir=checkpoint / "unused", precision=precision,
-                        execution_provider=provider, lora=lora, merge_lora=merge)
+                        execution_provider=provider, lora=lora, merge_lora=merge, extra_options=extra or {})
 
 
 def _build_and_save(config, weights, options: BuildOptions, folder: Path) -> tuple[PackageWriter, dict[str, Path]]:
@@ -290,7 +291,7 @@ def test_native_checkpoint_gives_the_same_decoder(tiny_native_checkpoint, fp32_b
 
 def test_int4_runs_on_cpu_close_to_fp32(tiny_checkpoint, tiny_config, tiny_weights, fp32_packages, reference,
                                         tmp_path) -> None:
-    options = _options(tiny_checkpoint, precision="int4", lora="vision")
+    options = _options(tiny_checkpoint, precision="int4", lora="vision", extra={"algo_config": "default"})
     _, paths = _build_and_save(tiny_config, tiny_weights, options, tmp_path)
     model = onnx.load(str(paths[MAIN_DECODER]), load_external_data=False)
     ops = Counter(node.op_type for node in model.graph.node)
@@ -325,44 +326,103 @@ def _canonical_nodes(graph: onnx.GraphProto) -> list[tuple]:
              sorted((attribute(a) for a in n.attribute), key=lambda item: item[0])) for n in graph.node]
 
 
-@pytest.mark.parametrize("lora", ["routed", "split"])
-def test_streaming_int4_equals_whole_graph_quantization(lora, tiny_checkpoint, tiny_config, tiny_weights,
-                                                       fp32_builds, tmp_path) -> None:
-    """The streaming int4 build (weights quantized one at a time while writing, base weights shared by the split
-    variants, LoRA weights read from If branches in the routed one) gives the same tensors, nodes and outputs as the
-    non-streaming path: each fp32 graph loaded whole and quantized by onnxruntime's MatMulNBitsQuantizer."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+# precision, --extra_options, decoder files compared. The LoRA variants' B MatMuls have K = r = 8 / 12 (one block):
+# with zero points (k_quant) the reference cannot pack them (test_quantize.py), so only the base decoder is compared.
+QUANT_CHOICES = {
+    "int4-default": ("int4", {"algo_config": "default"}, tuple(SPLIT_FILENAMES.values())),
+    "int4-default-mixed": ("int4", {"algo_config": "default",
+                                    "matmul_mixed_precision": "last_matmul:int8,mixed_layers:int8"},
+                           (SPLIT_FILENAMES["vision"],)),
+    "int4-rtn_last": ("int4", {"algo_config": "rtn_last"}, (SPLIT_FILENAMES["speech"],)),
+    "int4-k_quant_mixed (default)": ("int4", {}, (SPLIT_FILENAMES["none"],)),
+    "int8": ("int8", {}, (SPLIT_FILENAMES["vision"],)),
+}
 
-    options = _options(tiny_checkpoint, precision="int4", lora=lora)
+
+@pytest.mark.parametrize("choice", QUANT_CHOICES)
+def test_streaming_quantization_equals_the_stock_builders_whole_graph_pass(choice, tiny_checkpoint, tiny_config,
+                                                                          tiny_weights, fp32_builds, tmp_path) -> None:
+    """The streaming build of the split variants (weights quantized one at a time while writing, base weights shared
+    by the three variants) gives the same tensors, nodes and outputs as the stock GenAI builder's own `to_nbits` (its
+    MatMulNBitsQuantizer passes for that algo_config / matmul_mixed_precision) run on the fp32 variant."""
+    precision, extra, compared = QUANT_CHOICES[choice]
+    options = _options(tiny_checkpoint, precision=precision, lora="split", extra=extra)
     _, streamed = _build_and_save(tiny_config, tiny_weights, options, tmp_path / "streamed")
-    _, float_paths = fp32_builds[(("lora", lora),)]
+    _, float_paths = fp32_builds[SPLIT]
     hidden = tiny_config.text.hidden_size
     rng = np.random.default_rng(5)
     embeds = rng.standard_normal((1, 24, hidden)).astype(np.float32) * 0.5
     steps = [rng.standard_normal((1, 1, hidden)).astype(np.float32) * 0.5 for _ in range(3)]
     assert sorted(streamed) == sorted(float_paths)
-    for filename, path in streamed.items():
-        quantizer = MatMulNBitsQuantizer(onnx.load(str(float_paths[filename])), block_size=options.block_size,
-                                         is_symmetric=True, accuracy_level=options.accuracy_level)
-        quantizer.process()
-        whole = quantizer.model.model
+    for filename in compared:
+        float_model = ir.from_proto(onnx.load(str(float_paths[filename])))
+        stock_options = {**extra, "algo_config": options.algo_config}  # our default spelled out for the stock builder
+        whole = stock_to_nbits(float_model, stock_options, precision, tiny_config.text.num_hidden_layers)
         whole_tensors = {t.name: onnx.numpy_helper.to_array(t) for t in whole.graph.initializer}
         whole_path = tmp_path / "whole" / filename
         whole_path.parent.mkdir(exist_ok=True)
         onnx.save(whole, str(whole_path), save_as_external_data=True, location=filename + ".data")
 
-        ours = onnx.load(str(path))
+        ours = onnx.load(str(streamed[filename]))
         ours_tensors = {t.name: onnx.numpy_helper.to_array(t) for t in ours.graph.initializer}
         assert sorted(ours_tensors) == sorted(whole_tensors), filename
         for name, array in ours_tensors.items():
             assert array.dtype == whole_tensors[name].dtype, name
             assert array.tobytes() == whole_tensors[name].tobytes(), name
-        assert _canonical_nodes(ours.graph) == _canonical_nodes(whole.graph), filename
+        # rtn / k_quant re-sort the graph topologically; the node set is what must match
+        assert sorted(_canonical_nodes(ours.graph), key=repr) == sorted(_canonical_nodes(whole.graph), key=repr)
 
-        for placeholders in ((), (IMAGE_TOKEN_ID,), (AUDIO_TOKEN_ID,)):
-            got = SharedBufferDecoder(path, tiny_config).run(embeds, steps, placeholders)[1]
-            want = SharedBufferDecoder(whole_path, tiny_config).run(embeds, steps, placeholders)[1]
-            np.testing.assert_array_equal(np.stack(got), np.stack(want))
+        got = SharedBufferDecoder(streamed[filename], tiny_config).run(embeds, steps)[1]
+        want = SharedBufferDecoder(whole_path, tiny_config).run(embeds, steps)[1]
+        np.testing.assert_array_equal(np.stack(got), np.stack(want))
+
+
+@pytest.mark.parametrize("extra", [{}, {"algo_config": "default"}, {"algo_config": "rtn"}])
+def test_routed_quantized_weights_are_the_split_variants(extra, tiny_checkpoint, tiny_config, tiny_weights,
+                                                          tmp_path) -> None:
+    """The routed decoder is quantized before its adapters move into Ifs, so under every algorithm (also those
+    onnxruntime applies to main-graph MatMuls only) no float MatMul is left, and every weight is byte for byte the
+    split variants' (whose quantization is compared with the stock builder's above); it answers like them."""
+    routed = _build_and_save(tiny_config, tiny_weights, _options(tiny_checkpoint, "int4", "routed", extra=extra),
+                             tmp_path / "routed")[1][MAIN_DECODER]
+    split = _build_and_save(tiny_config, tiny_weights, _options(tiny_checkpoint, "int4", "split", extra=extra),
+                            tmp_path / "split")[1]
+    model = onnx.load(str(routed))
+    nodes = list(ir.traversal.RecursiveGraphIterator(ir.from_proto(model).graph))
+    assert not [n.name for n in nodes if n.op_type == "MatMul"]
+    assert sum("lora" in (n.name or "") and n.op_type == "MatMulNBits" for n in nodes) == \
+        9 * 2 * tiny_config.text.num_hidden_layers  # per layer 4 A + 5 B MatMuls, per adapter
+    split_tensors = {}
+    for path in split.values():
+        split_tensors.update({t.name: onnx.numpy_helper.to_array(t) for t in onnx.load(str(path)).graph.initializer})
+    for tensor in model.graph.initializer:
+        if tensor.name.startswith("model.layers.") or tensor.name.startswith("lm_head"):
+            assert onnx.numpy_helper.to_array(tensor).tobytes() == split_tensors[tensor.name].tobytes(), tensor.name
+    rng = np.random.default_rng(6)
+    hidden = tiny_config.text.hidden_size
+    embeds = rng.standard_normal((1, 20, hidden)).astype(np.float32) * 0.5
+    steps = [rng.standard_normal((1, 1, hidden)).astype(np.float32) * 0.5 for _ in range(2)]
+    for placeholders, mode in (((), "none"), ((IMAGE_TOKEN_ID,), "vision"), ((AUDIO_TOKEN_ID,), "speech")):
+        got = SharedBufferDecoder(routed, tiny_config).run(embeds, steps, placeholders)[1]
+        want = SharedBufferDecoder(split[SPLIT_FILENAMES[mode]], tiny_config).run(embeds, steps)[1]
+        np.testing.assert_allclose(np.stack(got), np.stack(want), atol=1e-4, rtol=0)
+
+
+def test_mixed_precision_puts_int8_on_the_stock_builders_nodes(tiny_checkpoint, tiny_config, tiny_weights,
+                                                               tmp_path) -> None:
+    """k_quant_mixed (the int4 default): lm_head, and qkv_proj / down_proj of the mixed layers (layer 0 of a 2-layer
+    model: i < n/8 or i >= 7n/8 or (i - round(n/8)) % 3 == 2), are 8-bit; o_proj, gate_up_proj and the LoRA branches
+    4-bit; all k_quant, zero points included."""
+    options = _options(tiny_checkpoint, precision="int4", lora="speech")
+    _, paths = _build_and_save(tiny_config, tiny_weights, options, tmp_path)
+    model = onnx.load(str(paths[MAIN_DECODER]), load_external_data=False)
+    bits = {n.name: next(a.i for a in n.attribute if a.name == "bits") for n in model.graph.node
+            if n.op_type == "MatMulNBits"}
+    eight = {"/lm_head/MatMul_Q8"} | {f"/model/layers.0/{p}/MatMul_Q8" for p in ("attn/qkv_proj", "mlp/down_proj")}
+    assert {name for name, b in bits.items() if b == 8} == eight
+    assert all(b == 4 for name, b in bits.items() if name not in eight) and len(bits) > len(eight)
+    assert all(len(n.input) == 4 for n in model.graph.node if n.op_type == "MatMulNBits")  # k_quant zero points
+    assert "lm_head.MatMul.weight_Q8G32" in {t.name for t in model.graph.initializer}
 
 
 def _register_ort_onnx_domain_schemas() -> None:

@@ -184,7 +184,8 @@ def test_int4_lookup_reads_the_decoders_quantized_lm_head(tmp_path, tiny_checkpo
     from builder_plugin.components.spec import Component as C
 
     options = BuildOptions(model_dir=tiny_checkpoint, output_dir=tmp_path / "pkg", precision="int4",
-                           execution_provider="cpu", lora="none", components=frozenset({C.EMBEDDING, C.DECODER}))
+                           execution_provider="cpu", lora="none", components=frozenset({C.EMBEDDING, C.DECODER}),
+                           extra_options={"algo_config": "default"})
     build(options, progress=False)
     folder = tmp_path / "pkg"
     embedding = onnx.load(str(folder / EMBEDDING_FILENAME), load_external_data=False)
@@ -212,3 +213,74 @@ def test_int4_lookup_reads_the_decoders_quantized_lm_head(tmp_path, tiny_checkpo
     bound = np.abs(exp_blocks).max(-1, keepdims=True) / 8 * 1.01
     assert (err_blocks <= bound + 1e-7).all()
     assert np.abs(got[text] - expected[text]).max() > 0  # it really is the quantized table
+
+
+def _dequantized_rows(node: onnx.NodeProto, tensors: dict[str, np.ndarray], hidden: int) -> np.ndarray:
+    """The float rows a MatMulNBits node multiplies by (its weight transposed, [N, K]), from its initializers."""
+    attrs = {a.name: a.i for a in node.attribute}
+    bits, block = attrs["bits"], attrs["block_size"]
+    packed = tensors[node.input[1]].astype(np.int32)  # [N, blocks, blob]
+    scales = tensors[node.input[2]].astype(np.float32)
+    n, blocks, _ = packed.shape
+    if bits == 4:
+        q = np.stack([packed & 15, packed >> 4], axis=-1).reshape(n, blocks, block)
+    else:
+        q = packed.reshape(n, blocks, block)
+    if len(node.input) > 3:
+        zp = tensors[node.input[3]].astype(np.int32)
+        zp = np.stack([zp & 15, zp >> 4], axis=-1).reshape(n, -1)[:, :blocks] if bits == 4 else zp
+    else:
+        zp = np.full((n, blocks), 1 << (bits - 1))
+    return ((q - zp[..., None]) * scales[..., None]).reshape(n, -1)[:, :hidden]
+
+
+@pytest.mark.parametrize(("precision", "extra"), [
+    ("int8", {}),
+    ("int4", {}),  # the default, k_quant_mixed: an int8 k_quant lm_head with zero points
+    ("int4", {"algo_config": "rtn_last", "is_symmetric": "false"}),
+    ("int4", {"algo_config": "default", "nodes_to_exclude": "/lm_head/MatMul"}),
+])
+def test_every_quantization_choice_reads_the_decoders_lm_head_stored_once(precision, extra, tmp_path,
+                                                                          tiny_checkpoint, tiny_config, monkeypatch):
+    """Whatever the lm_head becomes (int8, k_quant with zero points, asymmetric RTN, or float when excluded), the
+    embedding reads exactly the decoder's lm_head weights, quantized once and stored once: its lookup equals the rows
+    the decoder's MatMulNBits dequantizes (or multiplies by, when float)."""
+    from builder_plugin import quantize
+    from builder_plugin.build import build
+    from builder_plugin.components.spec import Component as C
+
+    computed = []
+    compute = quantize.QuantizedWeight._compute
+
+    def counting(self):
+        computed.append(self.source.name)
+        return compute(self)
+
+    monkeypatch.setattr(quantize.QuantizedWeight, "_compute", counting)
+    folder = tmp_path / "pkg"
+    build(BuildOptions(model_dir=tiny_checkpoint, output_dir=folder, precision=precision, lora="none",
+                       components=frozenset({C.EMBEDDING, C.DECODER}), extra_options=extra), progress=False)
+    embedding = onnx.load(str(folder / EMBEDDING_FILENAME), load_external_data=False)
+    decoder = onnx.load(str(folder / "phi-4-mm-text.onnx"))
+    lm_head = next(n for n in decoder.graph.node if n.name.startswith("/lm_head/MatMul"))
+    tensors = {t.name: onnx.numpy_helper.to_array(t) for t in decoder.graph.initializer}
+    hidden = tiny_config.text.hidden_size
+    if lm_head.op_type == "MatMulNBits":
+        assert computed.count("lm_head.MatMul.weight") == 1
+        rows = _dequantized_rows(lm_head, tensors, hidden)
+        assert "GatherBlockQuantized" in {n.op_type for n in embedding.graph.node}
+    else:
+        assert "/lm_head/MatMul" in extra.get("nodes_to_exclude", "")
+        rows = tensors[lm_head.input[1]].T
+
+    def locations(model):
+        return {tuple((e.key, e.value) for e in t.external_data) for t in model.graph.initializer if t.external_data}
+
+    decoder_locations = locations(onnx.load(str(folder / "phi-4-mm-text.onnx"), load_external_data=False))
+    assert locations(embedding) and locations(embedding) <= decoder_locations  # no second copy of the table
+    ids = np.random.default_rng(8).integers(0, tiny_config.text.vocab_size, size=(1, 50), dtype=np.int64)
+    ids[np.isin(ids, (tiny_config.image_token_id, tiny_config.audio_token_id))] = 0
+    session = ort.InferenceSession(str(folder / EMBEDDING_FILENAME), providers=["CPUExecutionProvider"])
+    empty = np.zeros((0, hidden), np.float32)
+    (got,) = session.run(None, {"input_ids": ids, "image_features": empty, "audio_features": empty})
+    np.testing.assert_allclose(got[0], rows[ids[0]], rtol=1e-6, atol=1e-7)

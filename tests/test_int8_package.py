@@ -3,7 +3,6 @@ reading the 8-bit lm_head), onnxruntime-genai loads it and generates, close to t
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -17,9 +16,7 @@ NEW_TOKENS = 8
 
 
 def _first_logits_and_tokens(package: Path) -> tuple[np.ndarray, list[int]]:
-    config = og.Config(str(package))
-    config.overlay(json.dumps({"model": {"decoder": {"filename": "phi-4-mm-text-base.onnx"}}}))
-    model = og.Model(config)
+    model = og.Model(str(package))  # the routed decoder: a text prompt runs without LoRA
     ids = og.Tokenizer(model).encode(PROMPT)
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=len(ids) + NEW_TOKENS, do_sample=False)

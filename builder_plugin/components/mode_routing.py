@@ -279,11 +279,11 @@ def _adapter_branch(owner: str, adapter: str, a_node: ir.Node, sites: list[_Site
         nodes.append(copy)
         return copy
 
-    a_copy = clone(a_node, [a_node.inputs[0], a_node.inputs[1]])
+    a_copy = clone(a_node, list(a_node.inputs))  # MatMul, or MatMulNBits with its scales (and zero points)
     outputs = []
     for site, value in zip(sites, inputs):
         b_node = site.b_nodes[adapter]
-        b_copy = clone(b_node, [a_copy.outputs[0], b_node.inputs[1]])
+        b_copy = clone(b_node, [a_copy.outputs[0], *b_node.inputs[1:]])
         add = ir.node("Add", [value, b_copy.outputs[0]], name=site.add_nodes[adapter].name, num_outputs=1)
         add.outputs[0].name = f"{add.name}/output_0"
         add.outputs[0].shape = site.out.shape

@@ -59,6 +59,10 @@ QUESTIONS = {
     "follow-up": "What colours stand out most?",
     "re-prefill": "What shapes stand out most?",
 }
+EXPLANATION = ("\"routed\" runs `builder_plugin.runtime.Chat` on the default package (one self-routing decoder) as "
+               "it is; \"split\" runs a `--lora split` package with one `og.Model` per mode and every question "
+               "re-prefilled in a generator sized to it (`follow_up_room=0`), as the run-time helper ran packages "
+               "before. The first text question of a process includes the session's one-time warm-up.")
 MEMORY_TARGET = 1.3  # all modes in one process, against one mode's peak
 FOLLOW_UP_TARGET = 0.05  # follow-up time to first token, against a re-prefill of the conversation
 SPEED_TARGET = 0.10  # decode and prefill within 10 % of the split package's
@@ -141,7 +145,8 @@ def report(results: dict[str, Any]) -> str:
                          _gb(step["rss_bytes"]), _gb(step["peak_rss_bytes"])])
     table = markdown_table(["package", "step", "prompt tokens", "prefilled", "first token (s)", "decode tok/s",
                             "RSS after (GB)", "peak RSS (GB)"], rows)
-    lines = [f"Command: `{results['command']}`", "", machine_markdown(results["machine"]), "", table, ""]
+    lines = [EXPLANATION, "", f"Command: `{results['command']}`", "", machine_markdown(results["machine"]), "",
+             table, ""]
     checks = results.get("checks", {})
     for name, check in checks.items():
         lines.append(f"- {name}: {check['text']} ({'met' if check['met'] else 'not met'})")

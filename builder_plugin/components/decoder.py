@@ -38,7 +38,13 @@ import torch
 
 from builder_plugin.checkpoint.reader import TensorRef
 from builder_plugin.components.base import ComponentBuilder
-from builder_plugin.components.mode_routing import ROUTED_ADAPTERS, add_mode_state, mode_io, route_lora_branches
+from builder_plugin.components.mode_routing import (
+    MODE_INPUT,
+    ROUTED_ADAPTERS,
+    ModeState,
+    add_mode_state,
+    route_lora_branches,
+)
 from builder_plugin.components.spec import Component, IOSpec, TensorSpec, check_io
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.errors import BuildError, CheckpointError
@@ -675,10 +681,12 @@ class DecoderBuilder(ComponentBuilder):
         outputs = [TensorSpec("logits", io_dtype, ("batch_size", 1, text.vocab_size))]  # last position only
         outputs += [TensorSpec(f"present.{i}.key", io_dtype, present) for i in layers]
         outputs += [TensorSpec(f"present.{i}.value", io_dtype, present) for i in layers]
-        if self_routing:
-            extra_inputs, extra_outputs = mode_io(text.num_hidden_layers, io_dtype, kv_heads)
-            inputs += extra_inputs
-            outputs += extra_outputs
+        if self_routing:  # after the builder's own I/O, in the order add_mode_state appends them
+            state = ModeState(text.num_hidden_layers)
+            inputs += [TensorSpec(MODE_INPUT, "int64", ("batch_size", "sequence_length")),
+                       TensorSpec(state.past_key, io_dtype, past), TensorSpec(state.past_value, io_dtype, past)]
+            outputs += [TensorSpec(state.present_key, io_dtype, present),
+                        TensorSpec(state.present_value, io_dtype, present)]
         return IOSpec(tuple(inputs), tuple(outputs))
 
     @classmethod

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from builder_plugin.components.spec import TensorSpec
 from builder_plugin.graph import MS_DOMAIN
 
 IMAGE_TOKEN_ID = 200010  # the placeholder ids the runtime's phi4mm processor expands (fixed in onnxruntime-genai)
@@ -62,17 +61,6 @@ class ModeState:
     @property
     def present_value(self) -> str:
         return f"present.{self.layer}.value"
-
-
-def mode_io(num_layers: int, io_dtype: str, kv_heads: int) -> tuple[list[TensorSpec], list[TensorSpec]]:
-    """Extra graph inputs and outputs of a self-routing decoder (appended to the decoder's own I/O spec)."""
-    state = ModeState(num_layers)
-    past = ("batch_size", kv_heads, "past_sequence_length", "kv_cache_dim")
-    present = ("batch_size", kv_heads, "total_sequence_length", "kv_cache_dim")
-    inputs = [TensorSpec(MODE_INPUT, "int64", ("batch_size", "sequence_length")),
-              TensorSpec(state.past_key, io_dtype, past), TensorSpec(state.past_value, io_dtype, past)]
-    outputs = [TensorSpec(state.present_key, io_dtype, present), TensorSpec(state.present_value, io_dtype, present)]
-    return inputs, outputs
 
 
 class _Emitter:
@@ -169,7 +157,7 @@ class _Site:
 
 def route_lora_branches(model: ir.Model, is_vision: ir.Value, is_speech: ir.Value) -> int:
     """Move every LoRA branch (A MatMul -> B MatMuls -> Adds, one set per adapter) into If nodes selected by the mode;
-    returns the number of If nodes made. The graph must hold exactly the adapters in ROUTED_ADAPTERS."""
+    returns the number of If nodes made. Each projection may carry any of the adapters in ROUTED_ADAPTERS."""
     graph = model.graph
     groups: dict[str, dict[str, ir.Node]] = defaultdict(dict)  # owner -> adapter -> A node
     for node in graph:
@@ -202,8 +190,7 @@ def _sites(a_nodes: dict[str, ir.Node]) -> list[_Site]:
         for b_node in [use.node for use in a_nodes[adapter].outputs[0].uses()]:
             (add_use,) = list(b_node.outputs[0].uses())
             add = add_use.node
-            prior = add.inputs[1 - add_use.idx]
-            base = prior
+            base = add.inputs[1 - add_use.idx]  # the base output, or the previous adapter's Add: walk back to it
             while base.producer() is not None and base.producer().op_type == "Add" and "/lora." in base.producer().name:
                 base = next(i for i in base.producer().inputs if i.producer() is None
                             or "/lora_B." not in (i.producer().name or ""))

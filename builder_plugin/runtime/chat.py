@@ -99,6 +99,16 @@ class _Loaded:
     model: Any  # og.Model
     processor: Any  # og.MultiModalProcessor
     tokenizer: Any  # og.Tokenizer
+    eos: frozenset[int]
+    end_id: int  # <|end|>
+    assistant_id: int  # <|assistant|>
+
+    @classmethod
+    def of(cls, model: Any) -> _Loaded:
+        tokenizer = og.Tokenizer(model)
+        (end,), (assistant,) = tokenizer.encode(END), tokenizer.encode(ASSISTANT)
+        return cls(model, model.create_multimodal_processor(), tokenizer,
+                   frozenset(int(t) for t in tokenizer.eos_token_ids), int(end), int(assistant))
 
 
 @dataclass
@@ -211,7 +221,7 @@ class Chat:
                     if self.execution_provider != "cpu":
                         config.append_provider(self.execution_provider)
                 model = og.Model(config)
-                self._models[variant] = _Loaded(model, model.create_multimodal_processor(), og.Tokenizer(model))
+                self._models[variant] = _Loaded.of(model)
             except RuntimeError as exc:
                 raise PackageError(f"cannot load {self.package_dir / variant}: {first_line(exc)}") from exc
         return self._models[variant]
@@ -277,7 +287,7 @@ class Chat:
         started = time.perf_counter()
         ids = live.token_ids()
         tokenizer = live.loaded.tokenizer
-        prefix = "" if ids and ids[-1] == self._end_id(tokenizer) else END  # an answer cut short gets its end
+        prefix = "" if ids and ids[-1] == live.loaded.end_id else END  # an answer cut short gets its end
         new = [int(t) for t in tokenizer.encode(prefix + user_turn(user_content(turn)))]
         total = len(ids) + len(new)
         if total >= self.max_length:
@@ -297,7 +307,7 @@ class Chat:
         ids: list[int] = []
         try:
             for token, piece in self._run(request, max_new_tokens, keep=True):
-                if piece or not self._is_eos(token):
+                if token not in request.loaded.eos:
                     ids.append(token)
                 pieces.append(piece)
                 yield piece
@@ -309,10 +319,6 @@ class Chat:
             raise
         self._record(replace(turn, assistant="".join(pieces), answer_ids=tuple(ids)))
 
-    def _is_eos(self, token: int) -> bool:
-        live = self._live
-        return live is not None and token in {int(t) for t in live.loaded.tokenizer.eos_token_ids}
-
     def _record(self, turn: Turn) -> None:
         self.turns.append(turn)
         self._answers[self.system, tuple(self.turns)] = turn.answer_ids
@@ -322,8 +328,7 @@ class Chat:
             self._live.turns = list(self.turns)
 
     def _drop_live(self) -> None:
-        if self._live is not None:
-            self._live = None  # frees the generator's KV cache
+        self._live = None  # frees the generator's KV cache
 
     # ---- raw generation ------------------------------------------------------------------------------------------
 
@@ -353,7 +358,7 @@ class Chat:
         started = time.perf_counter()
         inputs = self._process(loaded, prompt, images, audios)
         if any(t.answer_ids is not None for t in turns):
-            ids = _with_answer_ids(inputs["input_ids"].as_numpy()[0].tolist(), turns, loaded.tokenizer)
+            ids = _with_answer_ids(inputs["input_ids"].as_numpy()[0].tolist(), turns, loaded)
             inputs = _with_ids(inputs, ids)
         prompt_tokens = int(inputs["input_ids"].as_numpy().shape[-1])
         if prompt_tokens >= self.max_length:
@@ -431,7 +436,7 @@ class Chat:
                 self._live = live
         tokenizer = live.loaded.tokenizer
         stream = tokenizer.create_stream()
-        eos = {int(t) for t in tokenizer.eos_token_ids}
+        eos = live.loaded.eos
         first = None
         count = 0
         finish = "length"
@@ -483,17 +488,11 @@ class Chat:
         fresh = self._start(request, _with_ids(live.inputs, ids))
         live.generator, live.inputs, live.long_factors = fresh.generator, fresh.inputs, True
 
-    @staticmethod
-    def _end_id(tokenizer: Any) -> int:
-        (end,) = tokenizer.encode(END)
-        return int(end)
 
-
-def _with_answer_ids(ids: list[int], turns: Sequence[Turn], tokenizer: Any) -> list[int]:
+def _with_answer_ids(ids: list[int], turns: Sequence[Turn], loaded: _Loaded) -> list[int]:
     """The prompt ids with each answer's span (between its turn's <|assistant|> and the next <|end|>) replaced by the
     ids it was generated as; unchanged when the prompt's <|assistant|> ids do not pair up with the turns."""
-    (assistant,) = tokenizer.encode(ASSISTANT)
-    (end,) = tokenizer.encode(END)
+    assistant, end = loaded.assistant_id, loaded.end_id
     starts = [i + 1 for i, t in enumerate(ids) if t == assistant]
     if len(starts) != len(turns):
         return ids

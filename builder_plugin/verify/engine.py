@@ -12,6 +12,7 @@ import numpy as np
 import onnxruntime_genai as og
 
 from builder_plugin.runtime import Chat
+from builder_plugin.runtime.errors import first_line
 from builder_plugin.verify.prompts import Case
 
 
@@ -64,7 +65,7 @@ def _generate(model, processor, eos: set[int], case: Case, variant: str, max_new
     except RuntimeError as exc:
         files = ", ".join(map(str, (*case.images, *case.audios)))
         raise EngineError(f"{case.name} ({files or 'no media'}): the package's processor rejected the inputs: "
-                          f"{_first_line(exc)}") from exc
+                          f"{first_line(exc)}") from exc
     arrays = {name: np.array(inputs[name].as_numpy()) for name in inputs.keys()}
     prompt_length = int(arrays["input_ids"].shape[-1])
     params = og.GeneratorParams(model)
@@ -82,12 +83,7 @@ def _generate(model, processor, eos: set[int], case: Case, variant: str, max_new
             if tokens[-1] in eos:
                 break
     except RuntimeError as exc:
-        raise EngineError(f"{case.name}: the package failed ({variant}): {_first_line(exc)}") from exc
+        raise EngineError(f"{case.name}: the package failed ({variant}): {first_line(exc)}") from exc
     finally:
         del generator
     return PackageRun(case, variant, arrays, tokens, np.stack(logits))
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

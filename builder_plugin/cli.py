@@ -74,9 +74,10 @@ def make_parser() -> argparse.ArgumentParser:
                      "(default: min(16384, context length))")
     plg = p.add_argument_group("plugin options")
     plg.add_argument("--lora", choices=LORA_CHOICES, default="routed",
-                     help="LoRA handling: routed = one decoder per input mode sharing the base weights "
-                     "(text: none, image: vision, audio: speech; default); vision / speech / none = a single decoder "
-                     "with that choice; vision+speech = both adapters always added")
+                     help="LoRA handling: routed = one decoder that applies each conversation's adapter (text: "
+                     "none, image: vision, audio: speech; default); split = one decoder file per input mode, base "
+                     "weights shared on disk; vision / speech / none = a single decoder with that choice; "
+                     "vision+speech = both adapters always added")
     plg.add_argument("--merge-lora", action="store_true",
                      help="fold the single adapter of --lora vision|speech into the base weights (fastest decoder)")
     plg.add_argument("--components", type=parse_components, default=COMPONENT_ALIASES["all"],

@@ -84,10 +84,10 @@ def worker_ours(checkpoint: Path, out: Path, lora: str) -> dict[str, Any]:
     from builder_plugin.checkpoint.reader import CheckpointReader
     from builder_plugin.checkpoint.routing import route_weights
     from builder_plugin.components.decoder import DecoderBuilder, genai_builder_class
-    from builder_plugin.components.spec import Component
     from builder_plugin.config import Phi4MMConfig
     from builder_plugin.options import BuildOptions
     from builder_plugin.package import DATA_FILES, PackageWriter
+    from builder_plugin.spec import Component
 
     genai_builder_class()
     imported = time.perf_counter()
@@ -194,8 +194,8 @@ def worker_stock(checkpoint: Path, out: Path) -> dict[str, Any]:
     from builder_plugin.checkpoint.reader import CheckpointReader
     from builder_plugin.checkpoint.routing import route_weights
     from builder_plugin.components.decoder import genai_text_config
-    from builder_plugin.components.spec import Component
     from builder_plugin.config import Phi4MMConfig
+    from builder_plugin.spec import Component
 
     imported = time.perf_counter()
     rss_imported = current_rss_bytes()

@@ -32,10 +32,10 @@ from common import cpu_session, machine_info, time_in_turn, write_json  # noqa: 
 
 from builder_plugin.checkpoint.reader import CheckpointReader  # noqa: E402
 from builder_plugin.checkpoint.routing import route_weights  # noqa: E402
-from builder_plugin.components.spec import Component  # noqa: E402
 from builder_plugin.components.speech import SPEECH_FILENAME, SpeechBuilder  # noqa: E402
 from builder_plugin.config import Phi4MMConfig  # noqa: E402
 from builder_plugin.options import BuildOptions  # noqa: E402
+from builder_plugin.spec import Component  # noqa: E402
 from builder_plugin.testing.make_checkpoint import make_checkpoint  # noqa: E402
 from builder_plugin.testing.media import make_wav  # noqa: E402
 from builder_plugin.testing.processor import processor_inputs  # noqa: E402

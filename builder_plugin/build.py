@@ -19,13 +19,13 @@ from pathlib import Path
 from builder_plugin.checkpoint.reader import CheckpointReader
 from builder_plugin.checkpoint.routing import route_weights
 from builder_plugin.components.base import BUILDERS, ComponentBuilder
-from builder_plugin.components.spec import Component, IOSpec, check_io
 from builder_plugin.config import Phi4MMConfig, read_json
 from builder_plugin.errors import BuildError, InputError
 from builder_plugin.options import BuildOptions
 from builder_plugin.package import DATA_FILES, FILENAMES, OutputFolder, PackageWriter
 from builder_plugin.quantize import QuantizationCache
 from builder_plugin.runtime.manifest import Manifest
+from builder_plugin.spec import Component, IOSpec, check_io
 from genai_config import (
     GENAI_CONFIG_FILE,
     SPEECH_PROCESSOR_FILE,

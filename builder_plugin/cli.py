@@ -10,10 +10,10 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-from builder_plugin.components.spec import Component
 from builder_plugin.errors import BuildError, InputError
 from builder_plugin.extra_options import ALGO_CONFIGS, DEFAULT_ALGO_CONFIG, EXTRA_OPTIONS, check_extra_options
 from builder_plugin.options import EXECUTION_PROVIDERS, LORA_CHOICES, PRECISIONS, BuildOptions
+from builder_plugin.spec import Component
 
 COMPONENT_ALIASES: dict[str, frozenset[Component]] = {
     "all": frozenset(Component),

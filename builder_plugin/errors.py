@@ -27,3 +27,7 @@ class OutputError(BuildError):
 
 class SpecMismatchError(BuildError):
     """A built graph does not match the I/O spec its component declares."""
+
+
+class DecoderBuildError(BuildError):
+    """The decoder cannot be built with the requested options."""

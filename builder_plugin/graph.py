@@ -14,19 +14,11 @@ import onnx_ir as ir
 import torch
 
 from builder_plugin.checkpoint.reader import TensorRef
-from builder_plugin.components.spec import DTYPES, IOSpec, TensorSpec
+from builder_plugin.dtypes import BY_ONNX, DTYPES, onnx_dtype
+from builder_plugin.spec import IOSpec, TensorSpec
 
 OPSET = 21
 MS_DOMAIN = "com.microsoft"
-
-_NP_DTYPES = {
-    ir.DataType.FLOAT: np.float32,
-    ir.DataType.FLOAT16: np.float16,
-    ir.DataType.INT64: np.int64,
-    ir.DataType.INT32: np.int32,
-    ir.DataType.BOOL: np.bool_,
-}
-_TORCH_DTYPES = {ir.DataType.FLOAT: torch.float32, ir.DataType.FLOAT16: torch.float16}
 
 WeightSource = TensorRef | torch.Tensor | np.ndarray
 
@@ -37,7 +29,7 @@ class GraphBuilder:
     def __init__(self, name: str, spec: IOSpec, weight_dtype: str = "float32") -> None:
         self.name = name
         self.spec = spec
-        self.weight_dtype = DTYPES[weight_dtype]
+        self.weight_dtype = onnx_dtype(weight_dtype)
         self.inputs: dict[str, ir.Value] = {s.name: s.value() for s in spec.inputs}
         self._outputs: dict[str, ir.Value] = {}
         self._nodes: list[ir.Node] = []
@@ -64,7 +56,7 @@ class GraphBuilder:
     # ---- constants and weights ---------------------------------------------------------------------------------
     def const(self, value: Any, dtype: str = "int64", name: str | None = None) -> ir.Value:
         """A small constant (shape vectors, scalars, masks) stored in the graph itself."""
-        array = np.asarray(value, dtype=_NP_DTYPES[DTYPES[dtype]])
+        array = np.asarray(value, dtype=DTYPES[dtype].numpy)
         self._counter += 1
         return self._add_initializer(name or f"const_{self._counter}", ir.tensor(array))
 
@@ -73,13 +65,13 @@ class GraphBuilder:
         """A lazily loaded initializer: `source` (a checkpoint tensor or an array) is read, passed through
         `transform` (e.g. a transpose) and cast to `dtype` (default: the graph's weight dtype) only when saved.
         `shape` must be given when `transform` changes the shape."""
-        ir_dtype = DTYPES[dtype] if dtype else self.weight_dtype
+        ir_dtype = onnx_dtype(dtype) if dtype else self.weight_dtype
         if shape is None:
             shape = tuple(source.shape)
             if transform is not None:
                 shape = tuple(transform(torch.empty(shape, device="meta")).shape)
 
-        target = _TORCH_DTYPES.get(ir_dtype)
+        target = BY_ONNX[ir_dtype].torch if ir_dtype in (ir.DataType.FLOAT, ir.DataType.FLOAT16) else None
 
         def materialize() -> ir.TensorProtocol:
             # Converting straight to the target dtype (bf16 -> fp16 rounds exactly as via fp32) keeps a big fp16

@@ -17,8 +17,8 @@ from pathlib import Path
 import onnx_ir as ir
 from tqdm import tqdm
 
-from builder_plugin.components.spec import Component
 from builder_plugin.errors import OutputError
+from builder_plugin.spec import Component
 
 FILENAMES: dict[Component, str] = {
     Component.VISION: "phi-4-mm-vision.onnx",

@@ -27,7 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-MS_DOMAIN = "com.microsoft"
+from builder_plugin.dtypes import DTYPES, GRAPH_FLOATS
+from builder_plugin.graph import MS_DOMAIN
+
 METHODS: tuple[str, ...] = ("default", "rtn", "k_quant")
 BITS_CHOICES: tuple[int, ...] = (4, 8)
 # Float bytes quantized per slab when a weight can be produced column range by column range. k_quant's numpy
@@ -35,7 +37,7 @@ BITS_CHOICES: tuple[int, ...] = (4, 8)
 SLAB_BYTES = 64 << 20
 K_QUANT_SLAB_BYTES = 16 << 20
 
-_QUANTIZABLE = {ir.DataType.FLOAT: np.float32, ir.DataType.FLOAT16: np.float16}
+_QUANTIZABLE = {DTYPES[name].onnx: DTYPES[name].numpy for name in GRAPH_FLOATS}
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from builder_plugin.components.spec import Component, IOSpec, TensorSpec
 from builder_plugin.config import Phi4MMConfig
+from builder_plugin.spec import Component, IOSpec, TensorSpec
 from genai_config.processors import SPEECH_PROCESSOR_FILE, VISION_PROCESSOR_FILE
 
 GENAI_CONFIG_FILE = "genai_config.json"

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from builder_plugin import cli
-from builder_plugin.components.spec import Component, IOSpec
+from builder_plugin.spec import Component, IOSpec
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONWARNINGS": "ignore"}
 

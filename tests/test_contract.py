@@ -11,11 +11,11 @@ import pytest
 
 from builder_plugin.components.decoder import DecoderBuilder
 from builder_plugin.components.embedding import EmbeddingBuilder
-from builder_plugin.components.spec import Component
 from builder_plugin.components.speech import SpeechBuilder
 from builder_plugin.components.vision import VisionBuilder
 from builder_plugin.options import BuildOptions
 from builder_plugin.package import FILENAMES
+from builder_plugin.spec import Component
 
 CASES = [("fp32", "cpu", "routed"), ("int4", "cpu", "routed"), ("fp32", "cpu", "split"), ("fp16", "cuda", "routed"),
          ("int4", "dml", "routed"), ("fp16", "webgpu", "vision")]

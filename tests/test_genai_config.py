@@ -4,7 +4,7 @@ from pathlib import Path
 import onnxruntime_genai as og
 import pytest
 
-from builder_plugin.components.spec import Component
+from builder_plugin.spec import Component
 from builder_plugin.testing.processor import stub_package, stub_specs
 from genai_config import make_genai_config, speech_processor_config, vision_processor_config
 

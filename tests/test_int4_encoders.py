@@ -11,9 +11,9 @@ import onnxruntime as ort
 import pytest
 
 from builder_plugin.build import build
-from builder_plugin.components.spec import Component
 from builder_plugin.options import BuildOptions
 from builder_plugin.package import FILENAMES
+from builder_plugin.spec import Component
 from builder_plugin.testing.processor import processor_inputs
 
 # Random tiny weights are a harsh case for 4-bit RTN (the decoder's int4 logits reach cosine ~0.8 on them); the real

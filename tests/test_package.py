@@ -6,10 +6,10 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from builder_plugin.components.spec import IOSpec, TensorSpec
 from builder_plugin.errors import OutputError
 from builder_plugin.graph import GraphBuilder
 from builder_plugin.package import ExternalDataStore, OutputFolder, PackageWriter
+from builder_plugin.spec import IOSpec, TensorSpec
 
 SPEC = IOSpec(inputs=(TensorSpec("x", "float32", ("n", 64)),), outputs=(TensorSpec("y", "float32", ("n", 32)),))
 

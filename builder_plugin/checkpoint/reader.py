@@ -17,21 +17,15 @@ import torch
 from safetensors import safe_open
 
 from builder_plugin.config import NATIVE_ADAPTER_DIRS, CheckpointFormat
+from builder_plugin.dtypes import BY_SAFETENSORS
 from builder_plugin.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 ADAPTER_FILE = "adapter_model.safetensors"
 
-_TORCH_DTYPES = {
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "BOOL": torch.bool,
-}
+# safetensors dtype code -> torch dtype
+_TORCH_DTYPES = {code: row.torch for code, row in BY_SAFETENSORS.items()}
 
 
 @lru_cache(maxsize=64)

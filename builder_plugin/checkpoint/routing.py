@@ -18,9 +18,9 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from builder_plugin.checkpoint.reader import TensorRef
-from builder_plugin.components.spec import Component
 from builder_plugin.config import NATIVE_ADAPTER_DIRS, Phi4MMConfig
 from builder_plugin.errors import CheckpointError, RoutingError
+from builder_plugin.spec import Component
 
 Shape = tuple[int, ...]
 Expand = Callable[[Phi4MMConfig], Iterable[dict[str, object]]]

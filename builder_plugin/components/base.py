@@ -9,10 +9,10 @@ from typing import ClassVar
 import onnx_ir as ir
 
 from builder_plugin.checkpoint.reader import TensorRef
-from builder_plugin.components.spec import Component, IOSpec
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.options import BuildOptions
 from builder_plugin.quantize import QuantizationCache
+from builder_plugin.spec import Component, IOSpec
 
 BUILDERS: dict[Component, type[ComponentBuilder]] = {}
 

@@ -45,12 +45,13 @@ from builder_plugin.components.mode_routing import (
     add_mode_state,
     route_lora_branches,
 )
-from builder_plugin.components.spec import Component, IOSpec, TensorSpec, check_io
 from builder_plugin.config import Phi4MMConfig
-from builder_plugin.errors import BuildError, CheckpointError
+from builder_plugin.dtypes import DTYPES, onnx_dtype
+from builder_plugin.errors import CheckpointError, DecoderBuildError
 from builder_plugin.options import BuildOptions
 from builder_plugin.quant_plan import QuantPlan
 from builder_plugin.quantize import ColumnChunkedTensor, quantize_matmuls
+from builder_plugin.spec import Component, IOSpec, TensorSpec, check_io
 
 # The decoder genai_config.json names, and the other per-mode files of a split build (--lora split).
 MAIN_DECODER = "phi-4-mm-text.onnx"
@@ -60,12 +61,6 @@ SPLIT_FILENAMES: dict[str, str] = {
     "none": "phi-4-mm-text-base.onnx",  # text only
 }
 _ATTN_EPS_WITH_FUSED_ROPE = ("cpu", "cuda", "webgpu")  # dml runs RotaryEmbedding on position_ids instead
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16}
-_IR_DTYPES = {"float32": ir.DataType.FLOAT, "float16": ir.DataType.FLOAT16}
-
-
-class DecoderBuildError(BuildError):
-    """The decoder cannot be built with the requested options."""
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -220,12 +215,12 @@ class WeightTensors:
         key = (*key, name)
         tensor = self._cache.get(key)
         if tensor is None:
-            torch_dtype = _TORCH_DTYPES[self.dtype]
+            torch_dtype = DTYPES[self.dtype].torch
 
             def columns(c0: int, c1: int) -> np.ndarray:
                 return rows(c0, c1).to(torch_dtype).T.contiguous().numpy()
 
-            tensor = ColumnChunkedTensor(columns, _IR_DTYPES[self.dtype], shape, name, key=content)
+            tensor = ColumnChunkedTensor(columns, onnx_dtype(self.dtype), shape, name, key=content)
             self._cache[key] = tensor
         return tensor
 
@@ -723,7 +718,7 @@ class DecoderBuilder(ComponentBuilder):
     @staticmethod
     def _genai_builder(config: Phi4MMConfig, options: BuildOptions, filename: str,
                        tree: TextDecoderTree | None = None, tensors: WeightTensors | None = None) -> Any:
-        io_dtype = _IR_DTYPES[options.io_dtype]
+        io_dtype = onnx_dtype(options.io_dtype)
         with _quiet():
             builder = genai_builder_class()(
                 genai_text_config(config), io_dtype, io_dtype, options.execution_provider,

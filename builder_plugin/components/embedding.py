@@ -39,13 +39,14 @@ import torch
 
 from builder_plugin.checkpoint.reader import TensorRef
 from builder_plugin.components.base import ComponentBuilder
-from builder_plugin.components.spec import DTYPES, Component, IOSpec, TensorSpec
 from builder_plugin.config import Phi4MMConfig
+from builder_plugin.dtypes import DTYPES
 from builder_plugin.errors import SpecMismatchError
-from builder_plugin.graph import GraphBuilder
+from builder_plugin.graph import MS_DOMAIN, GraphBuilder
 from builder_plugin.options import BuildOptions
 from builder_plugin.quant_plan import LM_HEAD_NODE, QuantPlan
 from builder_plugin.quantize import ColumnChunkedTensor, QuantScheme
+from builder_plugin.spec import Component, IOSpec, TensorSpec
 
 EMBEDDING_FILENAME = "phi-4-mm-embedding.onnx"
 TOKEN_TABLE = "embed_tokens.weight"  # routed local name; also the initializer name of the "rows" layout
@@ -127,8 +128,8 @@ class EmbeddingBuilder(ComponentBuilder):
         """Rows of the quantized lm_head weights (MatMulNBits layout [vocab, blocks, blob], the decoder's scheme)
         dequantized by GatherBlockQuantized (4 or 8 bits, with the zero points when the scheme has them)."""
         vocab, hidden = table.shape
-        float_dtype = DTYPES[self.options.weight_dtype]
-        np_dtype = np.float16 if self.options.weight_dtype == "float16" else np.float32
+        float_dtype = DTYPES[self.options.weight_dtype].onnx
+        np_dtype = DTYPES[self.options.weight_dtype].numpy
 
         def columns(c0: int, c1: int) -> np.ndarray:  # columns of lm_head.weight [hidden, vocab] = rows of the table
             return np.ascontiguousarray(table.load_rows(c0, c1).t().numpy().astype(np_dtype))
@@ -141,7 +142,7 @@ class EmbeddingBuilder(ComponentBuilder):
         pieces = [g.initializer(tensor) for tensor in tensors.values()]
         _, blocks, blob = (int(d) for d in tensors["packed"].shape)
         flat = g.op("Reshape", pieces[0], g.const([vocab, blocks * blob]))
-        rows = g.op("GatherBlockQuantized", flat, ids, *pieces[1:], domain="com.microsoft", bits=scheme.bits,
+        rows = g.op("GatherBlockQuantized", flat, ids, *pieces[1:], domain=MS_DOMAIN, bits=scheme.bits,
                     block_size=scheme.block_size, gather_axis=0, quantize_axis=1)
         padded = blocks * scheme.block_size
         if padded != hidden:  # the quantized rows are padded to whole blocks

@@ -25,10 +25,11 @@ import torch
 
 from builder_plugin.checkpoint.reader import TensorRef
 from builder_plugin.components.base import ComponentBuilder
-from builder_plugin.components.spec import DTYPES, Component, IOSpec, TensorSpec
 from builder_plugin.config import AudioConfig, Phi4MMConfig
+from builder_plugin.dtypes import onnx_dtype
 from builder_plugin.errors import UnsupportedModelError
 from builder_plugin.graph import MS_DOMAIN, GraphBuilder
+from builder_plugin.spec import Component, IOSpec, TensorSpec
 
 SPEECH_FILENAME = "phi-4-mm-speech.onnx"
 
@@ -144,7 +145,7 @@ class _SpeechGraph:
         if broadcast_axes:
             valid = self.gb.op("Unsqueeze", valid, self.i64(broadcast_axes))
         # A multiply by a 0/1 mask: much faster than a broadcasting Where on the large subsampling maps.
-        return self.gb.op("Mul", x, self.gb.op("Cast", valid, to=DTYPES[self.dtype]))
+        return self.gb.op("Mul", x, self.gb.op("Cast", valid, to=onnx_dtype(self.dtype)))
 
     def halved(self, lengths: ir.Value) -> ir.Value:
         """ceil(lengths / 2): the output length of a kernel-3, stride-2, padding-1 convolution."""
@@ -155,7 +156,7 @@ class _SpeechGraph:
         gb = self.gb
         features = gb.inputs["audio_embeds"]
         if self.io_dtype != self.dtype:
-            features = gb.op("Cast", features, to=DTYPES[self.dtype])
+            features = gb.op("Cast", features, to=onnx_dtype(self.dtype))
         frames = gb.op("ReduceSum", gb.op("Cast", gb.inputs["audio_attention_mask"], to=ir.DataType.INT64),
                        self.i64([1]), keepdims=0)  # valid frames per clip [N]
 
@@ -169,7 +170,7 @@ class _SpeechGraph:
         x = self.select_rows(x)
         out = self.projection(x)
         if self.io_dtype != self.dtype:
-            out = gb.op("Cast", out, to=DTYPES[self.io_dtype])
+            out = gb.op("Cast", out, to=onnx_dtype(self.io_dtype))
         gb.output("audio_features", out)
         return gb.model()
 
@@ -366,7 +367,7 @@ class _SpeechGraph:
             hidden = self._branch_linear(nodes, x, f"up_proj_for_{pair}")
             hidden = nodes.op("Gelu", hidden)  # opset 20 Gelu, approximate="none": the erf form
             out = self._branch_linear(nodes, hidden, f"down_proj_for_{pair}")
-            out.dtype = DTYPES[self.dtype]
+            out.dtype = onnx_dtype(self.dtype)
             out.shape = ir.Shape(["num_audio_tokens", self.hidden_size])
             branches[branch] = ir.Graph(inputs=[], outputs=[out], nodes=nodes.nodes, name=nodes.prefix)
         return gb.op("If", is_vision, then_branch=branches["then"], else_branch=branches["else"])

@@ -23,11 +23,11 @@ import torch
 
 from builder_plugin.checkpoint.reader import TensorRef
 from builder_plugin.components.base import ComponentBuilder
-from builder_plugin.components.spec import Component, IOSpec, TensorSpec
 from builder_plugin.config import Phi4MMConfig, VisionConfig
 from builder_plugin.errors import UnsupportedModelError
 from builder_plugin.graph import MS_DOMAIN, GraphBuilder
 from builder_plugin.options import BuildOptions
+from builder_plugin.spec import Component, IOSpec, TensorSpec
 
 VISION_FILENAME = "phi-4-mm-vision.onnx"
 NUM_CHANNELS = 3

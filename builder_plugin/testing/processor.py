@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-from builder_plugin.components.spec import Component, IOSpec, TensorSpec
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.graph import GraphBuilder
+from builder_plugin.spec import Component, IOSpec, TensorSpec
 from genai_config import (
     GENAI_CONFIG_FILE,
     SPEECH_PROCESSOR_FILE,

@@ -31,8 +31,8 @@ from transformers.models.phi4_multimodal.modeling_phi4_multimodal import (
 
 from builder_plugin.checkpoint.reader import CheckpointReader, TensorRef
 from builder_plugin.checkpoint.routing import AUD, IMG, ignored_prefixes, route_weights
-from builder_plugin.components.spec import Component
 from builder_plugin.config import Phi4MMConfig
+from builder_plugin.spec import Component
 from builder_plugin.testing.reference import (
     ReferenceModelError,
     encode_audio,

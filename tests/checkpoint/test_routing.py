@@ -6,9 +6,9 @@ import torch
 
 from builder_plugin.checkpoint.reader import CheckpointReader, TensorRef
 from builder_plugin.checkpoint.routing import WEIGHT_ROUTES, expanded_routes, route_weights
-from builder_plugin.components.spec import Component
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.errors import CheckpointError, RoutingError
+from builder_plugin.spec import Component
 from builder_plugin.testing.make_checkpoint import native_config, native_state_shapes, original_config, original_name
 
 

@@ -27,9 +27,9 @@ from builder_plugin.components.decoder import (
     decoder_variants,
 )
 from builder_plugin.components.mode_routing import AUDIO_TOKEN_ID, IMAGE_TOKEN_ID
-from builder_plugin.components.spec import Component, check_io
 from builder_plugin.options import BuildOptions
 from builder_plugin.package import DATA_FILES, PackageWriter
+from builder_plugin.spec import Component, check_io
 from tests.stock_quantizer import stock_to_nbits
 
 DECODE_STEPS = 8

@@ -17,9 +17,9 @@ from builder_plugin.components.embedding import (
     TRANSPOSED_TOKEN_TABLE,
     EmbeddingBuilder,
 )
-from builder_plugin.components.spec import Component, check_io
 from builder_plugin.options import BuildOptions
 from builder_plugin.package import PackageWriter
+from builder_plugin.spec import Component, check_io
 
 DATA_FILE = "phi-4-mm-text.onnx.data"
 
@@ -181,7 +181,7 @@ def test_int4_lookup_reads_the_decoders_quantized_lm_head(tmp_path, tiny_checkpo
     """-p int4: the embedding dequantizes rows of the decoder's own int4 lm_head (stored once), within the 4-bit
     rounding bound of each block, and places the features exactly."""
     from builder_plugin.build import build
-    from builder_plugin.components.spec import Component as C
+    from builder_plugin.spec import Component as C
 
     options = BuildOptions(model_dir=tiny_checkpoint, output_dir=tmp_path / "pkg", precision="int4",
                            execution_provider="cpu", lora="none", components=frozenset({C.EMBEDDING, C.DECODER}),
@@ -247,7 +247,7 @@ def test_every_quantization_choice_reads_the_decoders_lm_head_stored_once(precis
     the decoder's MatMulNBits dequantizes (or multiplies by, when float)."""
     from builder_plugin import quantize
     from builder_plugin.build import build
-    from builder_plugin.components.spec import Component as C
+    from builder_plugin.spec import Component as C
 
     computed = []
     compute = quantize.QuantizedWeight._compute

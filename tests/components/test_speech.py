@@ -21,11 +21,11 @@ from transformers.models.phi4_multimodal.modeling_phi4_multimodal import Phi4Mul
 
 from builder_plugin.checkpoint.reader import CheckpointReader, TensorRef
 from builder_plugin.checkpoint.routing import route_weights
-from builder_plugin.components.spec import Component, check_io
 from builder_plugin.components.speech import SPEECH_FILENAME, SpeechBuilder, check_supported
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.errors import UnsupportedModelError
 from builder_plugin.options import BuildOptions
+from builder_plugin.spec import Component, check_io
 from builder_plugin.testing.media import make_wav
 from builder_plugin.testing.processor import processor_inputs
 

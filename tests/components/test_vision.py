@@ -12,10 +12,10 @@ import onnx_ir as ir
 import onnxruntime as ort
 import pytest
 
-from builder_plugin.components.spec import Component, check_io
 from builder_plugin.components.vision import VISION_FILENAME, VisionBuilder
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.options import BuildOptions
+from builder_plugin.spec import Component, check_io
 from builder_plugin.testing.processor import processor_inputs
 
 ATOL = 1e-4

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
+from builder_plugin.dtypes import onnx_dtype
 from builder_plugin.errors import SpecMismatchError
 
 
@@ -24,29 +25,19 @@ class Component(str, enum.Enum):
         return self.value
 
 
-# Graph dtypes by name; "io" specs are resolved to the build's I/O dtype (float32 or float16).
-DTYPES: dict[str, ir.DataType] = {
-    "float32": ir.DataType.FLOAT,
-    "float16": ir.DataType.FLOAT16,
-    "bfloat16": ir.DataType.BFLOAT16,
-    "int64": ir.DataType.INT64,
-    "int32": ir.DataType.INT32,
-    "bool": ir.DataType.BOOL,
-}
-
 Dim = int | str
 
 
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
-    dtype: str  # a key of DTYPES
+    dtype: str  # a key of builder_plugin.dtypes.DTYPES
     shape: tuple[Dim, ...]
     genai_key: str | None = None  # the genai_config.json key naming this tensor, when it differs from `name`
 
     @property
     def onnx_dtype(self) -> ir.DataType:
-        return DTYPES[self.dtype]
+        return onnx_dtype(self.dtype)
 
     def value(self) -> ir.Value:
         """A fresh onnx-ir graph input/output value with this name, dtype and shape."""

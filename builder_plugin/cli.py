@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 import sys
 import traceback
 from collections.abc import Sequence
@@ -101,13 +103,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(message)s")
     try:
-        return _run(args)
+        with _terminate_as_interrupt():
+            return _run(args)
     except BuildError as exc:
         return _fail(str(exc), args.verbose)
     except KeyboardInterrupt:
         return _fail("interrupted; nothing was written (any existing output is unchanged)", args.verbose)
     except Exception as exc:  # anything unexpected still gets one line unless --verbose
         return _fail(f"{type(exc).__name__}: {exc} (run with --verbose for details)", args.verbose)
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt():
+    """SIGTERM and SIGHUP (a killed job, a closed terminal) unwind like Ctrl-C, so the staging folder is removed
+    instead of left behind half-written."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    wanted = [signal.SIGTERM, signal.SIGHUP]
+    try:
+        previous = {s: signal.signal(s, interrupt) for s in wanted}
+    except ValueError:  # not the main thread: signals stay as they are
+        previous = {}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def _fail(message: str, verbose: bool) -> int:

@@ -152,6 +152,29 @@ def test_failure_mid_build_leaves_nothing_behind(tmp_path: Path, tiny_checkpoint
     assert not partial_folders(tmp_path)
 
 
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGHUP"])
+def test_killed_build_leaves_nothing_behind(tmp_path: Path, tiny_checkpoint: Path, signal_name: str) -> None:
+    """A build stopped by `kill` (or a closed terminal) removes its staging folder like Ctrl-C does."""
+    import signal
+    import time
+
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("previous package")
+    build = subprocess.Popen([sys.executable, "-m", "builder_plugin", "-i", str(tiny_checkpoint), "-o", str(out),
+                              "--overwrite", "--no-progress"], env=ENV, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not partial_folders(tmp_path) and build.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert partial_folders(tmp_path), "the build finished before it could be stopped"
+    build.send_signal(getattr(signal, signal_name))
+    _, err = build.communicate(timeout=120)
+    assert build.returncode == 1 and "interrupted" in err and "Traceback" not in err
+    assert [p.name for p in out.iterdir()] == ["old.txt"]
+    assert not partial_folders(tmp_path)
+
+
 def test_verbose_shows_the_traceback(tmp_path: Path) -> None:
     result = run_cli("-i", str(tmp_path / "nope"), "-o", str(tmp_path / "out"), "--verbose")
     assert result.returncode == 1 and "Traceback" in result.stderr and "error: " in result.stderr

@@ -35,14 +35,13 @@ from typing import Literal
 
 import numpy as np
 import onnx_ir as ir
-import torch
 
 from builder_plugin.checkpoint.reader import TensorRef
 from builder_plugin.components.base import ComponentBuilder
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.dtypes import DTYPES
 from builder_plugin.errors import SpecMismatchError
-from builder_plugin.graph import MS_DOMAIN, GraphBuilder
+from builder_plugin.graph import MS_DOMAIN, GraphBuilder, transposed
 from builder_plugin.options import BuildOptions
 from builder_plugin.quant_plan import LM_HEAD_NODE, QuantPlan
 from builder_plugin.quantize import ColumnChunkedTensor, QuantScheme
@@ -56,10 +55,6 @@ LM_HEAD_WEIGHT = "lm_head.MatMul.weight"  # the decoder's name for the tied lm_h
 
 TableLayout = Literal["transposed", "rows", "quantized"]
 TABLE_LAYOUTS: tuple[str, ...] = ("transposed", "rows", "quantized")
-
-
-def _transposed(t: torch.Tensor) -> torch.Tensor:
-    return t.t()
 
 
 class EmbeddingBuilder(ComponentBuilder):
@@ -109,7 +104,7 @@ class EmbeddingBuilder(ComponentBuilder):
         g = GraphBuilder("phi-4-mm-embedding", self.io_spec(self.config, io_dtype), self.options.weight_dtype)
         ids = g.inputs["input_ids"]
         if self.table_layout == "transposed":
-            table_t = g.weight(TRANSPOSED_TOKEN_TABLE, table, transform=_transposed)
+            table_t = g.weight(TRANSPOSED_TOKEN_TABLE, table, transform=transposed)
             columns = g.op("Gather", table_t, ids, axis=1)  # [hidden, batch, seq]
             embeds = g.op("Transpose", columns, perm=[1, 2, 0])
         elif self.table_layout == "quantized":

@@ -28,7 +28,7 @@ from builder_plugin.components.base import ComponentBuilder
 from builder_plugin.config import AudioConfig, Phi4MMConfig
 from builder_plugin.dtypes import onnx_dtype
 from builder_plugin.errors import UnsupportedModelError
-from builder_plugin.graph import MS_DOMAIN, GraphBuilder
+from builder_plugin.graph import MS_DOMAIN, GraphBuilder, transposed
 from builder_plugin.spec import Component, IOSpec, TensorSpec
 
 SPEECH_FILENAME = "phi-4-mm-speech.onnx"
@@ -94,10 +94,6 @@ def check_supported(audio: AudioConfig) -> None:
             raise UnsupportedModelError(f"audio activation {name!r} is not supported ({sorted(_ACTIVATIONS)})")
 
 
-def _transposed(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.t()
-
-
 class _SpeechGraph:
     """One build of the speech graph; methods add the nodes of one module each."""
 
@@ -120,7 +116,7 @@ class _SpeechGraph:
         """torch Linear as MatMul with a constant [in, out] weight plus an Add of the bias (the int4 pass pattern).
         `scale` is folded into weight and bias (0.5 for the half-step feed-forwards: exact, a power of two)."""
         if scale is None:
-            weight = self.gb.weight(f"{prefix}.weight", self.ref(f"{prefix}.weight"), transform=_transposed)
+            weight = self.gb.weight(f"{prefix}.weight", self.ref(f"{prefix}.weight"), transform=transposed)
             bias = self.gb.weight(f"{prefix}.bias", self.ref(f"{prefix}.bias"))
         else:
             weight = self.gb.weight(f"{prefix}.weight", self.ref(f"{prefix}.weight"), transform=lambda t: t.t() * scale)
@@ -373,7 +369,7 @@ class _SpeechGraph:
         return gb.op("If", is_vision, then_branch=branches["then"], else_branch=branches["else"])
 
     def _branch_linear(self, nodes: _Subgraph, x: ir.Value, prefix: str) -> ir.Value:
-        weight = self.gb.weight(f"{prefix}.weight", self.ref(f"{prefix}.weight"), transform=_transposed)
+        weight = self.gb.weight(f"{prefix}.weight", self.ref(f"{prefix}.weight"), transform=transposed)
         bias = self.gb.weight(f"{prefix}.bias", self.ref(f"{prefix}.bias"))
         return nodes.op("Add", nodes.op("MatMul", x, weight), bias)
 

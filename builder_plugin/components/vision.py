@@ -25,7 +25,7 @@ from builder_plugin.checkpoint.reader import TensorRef
 from builder_plugin.components.base import ComponentBuilder
 from builder_plugin.config import Phi4MMConfig, VisionConfig
 from builder_plugin.errors import UnsupportedModelError
-from builder_plugin.graph import MS_DOMAIN, GraphBuilder
+from builder_plugin.graph import MS_DOMAIN, GraphBuilder, transposed
 from builder_plugin.options import BuildOptions
 from builder_plugin.spec import Component, IOSpec, TensorSpec
 
@@ -37,10 +37,6 @@ GELU_APPROXIMATION = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu_fas
 
 _F32 = ir.DataType.FLOAT
 _I64 = ir.DataType.INT64
-
-
-def _transposed(t: torch.Tensor) -> torch.Tensor:
-    return t.t()
 
 
 class VisionBuilder(ComponentBuilder):
@@ -112,7 +108,7 @@ class _VisionGraph:
 
     def linear(self, x: ir.Value, prefix: str) -> ir.Value:
         """``x @ W^T + b`` as MatMul with a constant [in, out] initializer and an Add (the int4 pass rewrites it)."""
-        w = self.g.weight(f"{prefix}.weight", self.w[f"{prefix}.weight"], transform=_transposed)
+        w = self.g.weight(f"{prefix}.weight", self.w[f"{prefix}.weight"], transform=transposed)
         b = self.g.weight(f"{prefix}.bias", self.w[f"{prefix}.bias"])
         return self.g.op("Add", self.g.op("MatMul", x, w), b)
 

@@ -63,27 +63,28 @@ LORA_TARGET = re.compile(r"model\.layers\.\d+\.(?:self_attn\.(?:qkv_proj|o_proj)
 _ORIGINAL_LORA_KEY = re.compile(rf"^({LORA_TARGET.pattern})\.lora_([AB])\.([A-Za-z0-9_]+)\.weight$")
 _PEFT_LORA_KEY = re.compile(rf"({LORA_TARGET.pattern})\.lora_([AB])(?:\.[A-Za-z0-9_]+)?\.weight$")
 
-_E = r"model\.embed_tokens_extend\."
+_IMAGE_EMBED = r"model\.embed_tokens_extend\.image_embed"
+_AUDIO_EMBED = r"model\.embed_tokens_extend\.audio_embed"
 # Original (remote-code) key -> native key. First match wins; keys matching no rule keep their name and are then
 # caught by the strict load (unexpected key), so a stale table cannot pass silently.
 ORIGINAL_TO_NATIVE_KEYS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
     (re.compile(pattern), replacement)
     for pattern, replacement in (
         (rf"^({LORA_TARGET.pattern})\.base_layer\.weight$", r"\1.weight"),
-        (rf"^({_E}image_embed)\.glb_GN$", r"\1.global_img_feature_extensor"),
-        (rf"^({_E}image_embed)\.sub_GN$", r"\1.sub_img_feature_extensor"),
-        (rf"^({_E}image_embed)\.img_projection\.0\.(weight|bias)$", r"\1.img_projection_up.\2"),
-        (rf"^({_E}image_embed)\.img_projection\.2\.(weight|bias)$", r"\1.img_projection_down.\2"),
-        (rf"^({_E}audio_embed)\.audio_projection\.speech\.0\.(weight|bias)$", r"\1.up_proj_for_speech.\2"),
-        (rf"^({_E}audio_embed)\.audio_projection\.speech\.2\.(weight|bias)$", r"\1.down_proj_for_speech.\2"),
-        (rf"^({_E}audio_embed)\.audio_projection\.vision\.0\.(weight|bias)$", r"\1.up_proj_for_vision_speech.\2"),
-        (rf"^({_E}audio_embed)\.audio_projection\.vision\.2\.(weight|bias)$", r"\1.down_proj_for_vision_speech.\2"),
-        (rf"^({_E}audio_embed\.encoder\.encoders\.\d+\.feed_forward_(?:in|out))\.net\.0\.linear\.(weight|bias)$",
+        (rf"^({_IMAGE_EMBED})\.glb_GN$", r"\1.global_img_feature_extensor"),
+        (rf"^({_IMAGE_EMBED})\.sub_GN$", r"\1.sub_img_feature_extensor"),
+        (rf"^({_IMAGE_EMBED})\.img_projection\.0\.(weight|bias)$", r"\1.img_projection_up.\2"),
+        (rf"^({_IMAGE_EMBED})\.img_projection\.2\.(weight|bias)$", r"\1.img_projection_down.\2"),
+        (rf"^({_AUDIO_EMBED})\.audio_projection\.speech\.0\.(weight|bias)$", r"\1.up_proj_for_speech.\2"),
+        (rf"^({_AUDIO_EMBED})\.audio_projection\.speech\.2\.(weight|bias)$", r"\1.down_proj_for_speech.\2"),
+        (rf"^({_AUDIO_EMBED})\.audio_projection\.vision\.0\.(weight|bias)$", r"\1.up_proj_for_vision_speech.\2"),
+        (rf"^({_AUDIO_EMBED})\.audio_projection\.vision\.2\.(weight|bias)$", r"\1.down_proj_for_vision_speech.\2"),
+        (rf"^({_AUDIO_EMBED}\.encoder\.encoders\.\d+\.feed_forward_(?:in|out))\.net\.0\.linear\.(weight|bias)$",
          r"\1.gate_up_proj.\2"),
-        (rf"^({_E}audio_embed\.encoder\.encoders\.\d+\.feed_forward_(?:in|out))\.net\.2\.(weight|bias)$",
+        (rf"^({_AUDIO_EMBED}\.encoder\.encoders\.\d+\.feed_forward_(?:in|out))\.net\.2\.(weight|bias)$",
          r"\1.down_proj.\2"),
-        (rf"^({_E}audio_embed\.encoder\.encoders\.\d+\.self_attn)\.linear_([qkv])\.(weight|bias)$", r"\1.\2_proj.\3"),
-        (rf"^({_E}audio_embed\.encoder\.encoders\.\d+\.self_attn)\.linear_out\.(weight|bias)$", r"\1.o_proj.\2"),
+        (rf"^({_AUDIO_EMBED}\.encoder\.encoders\.\d+\.self_attn)\.linear_([qkv])\.(weight|bias)$", r"\1.\2_proj.\3"),
+        (rf"^({_AUDIO_EMBED}\.encoder\.encoders\.\d+\.self_attn)\.linear_out\.(weight|bias)$", r"\1.o_proj.\2"),
     )
 )
 

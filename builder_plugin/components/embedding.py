@@ -38,20 +38,21 @@ import onnx_ir as ir
 
 from builder_plugin.checkpoint.reader import TensorRef
 from builder_plugin.components.base import ComponentBuilder
+from builder_plugin.components.speech import AUDIO_FEATURES, SpeechBuilder
+from builder_plugin.components.vision import IMAGE_FEATURES, VisionBuilder
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.dtypes import DTYPES
 from builder_plugin.errors import SpecMismatchError
 from builder_plugin.graph import MS_DOMAIN, GraphBuilder, transposed
 from builder_plugin.options import BuildOptions
-from builder_plugin.quant_plan import LM_HEAD_NODE, QuantPlan
+from builder_plugin.quant_plan import LM_HEAD_NODE, LM_HEAD_WEIGHT, QuantPlan
 from builder_plugin.quantize import ColumnChunkedTensor, QuantScheme
 from builder_plugin.spec import Component, IOSpec, TensorSpec
 
 EMBEDDING_FILENAME = "phi-4-mm-embedding.onnx"
 TOKEN_TABLE = "embed_tokens.weight"  # routed local name; also the initializer name of the "rows" layout
 TRANSPOSED_TOKEN_TABLE = "embed_tokens.weight.transposed"
-
-LM_HEAD_WEIGHT = "lm_head.MatMul.weight"  # the decoder's name for the tied lm_head weight [hidden, vocab]
+INPUTS_EMBEDS = "inputs_embeds"  # the output, the decoder's input
 
 TableLayout = Literal["transposed", "rows", "quantized"]
 TABLE_LAYOUTS: tuple[str, ...] = ("transposed", "rows", "quantized")
@@ -83,10 +84,11 @@ class EmbeddingBuilder(ComponentBuilder):
         return IOSpec(
             inputs=(
                 TensorSpec("input_ids", "int64", ("batch_size", "sequence_length")),
-                TensorSpec("image_features", io_dtype, ("num_image_tokens", hidden)),
-                TensorSpec("audio_features", io_dtype, ("num_audio_tokens", hidden)),
+                # the feature inputs are the encoders' outputs: one declaration of each name, dtype and shape
+                VisionBuilder.io_spec(config, io_dtype).output(IMAGE_FEATURES),
+                SpeechBuilder.io_spec(config, io_dtype).output(AUDIO_FEATURES),
             ),
-            outputs=(TensorSpec("inputs_embeds", io_dtype, ("batch_size", "sequence_length", hidden)),),
+            outputs=(TensorSpec(INPUTS_EMBEDS, io_dtype, ("batch_size", "sequence_length", hidden)),),
         )
 
     def build(self, weights: Mapping[str, TensorRef]) -> dict[str, ir.Model]:
@@ -112,10 +114,10 @@ class EmbeddingBuilder(ComponentBuilder):
         else:
             embeds = g.op("Gather", g.weight(TOKEN_TABLE, table), ids, axis=0)
 
-        for token_id, features in ((self.config.image_token_id, "image_features"),
-                                   (self.config.audio_token_id, "audio_features")):
+        for token_id, features in ((self.config.image_token_id, IMAGE_FEATURES),
+                                   (self.config.audio_token_id, AUDIO_FEATURES)):
             embeds = _place_features(g, embeds, ids, token_id, g.inputs[features])
-        g.output("inputs_embeds", embeds)
+        g.output(INPUTS_EMBEDS, embeds)
         return {EMBEDDING_FILENAME: g.model()}
 
 

@@ -32,6 +32,7 @@ from builder_plugin.graph import MS_DOMAIN, GraphBuilder, transposed
 from builder_plugin.spec import Component, IOSpec, TensorSpec
 
 SPEECH_FILENAME = "phi-4-mm-speech.onnx"
+AUDIO_FEATURES = "audio_features"  # the output, an input of the embedding graph
 
 # The original encoder hard-codes this chunk length (``max_seq_len = 500`` in Phi4MultimodalAudioModel.forward):
 # longer subsampled sequences are cut into independent chunks of this many frames.
@@ -55,7 +56,7 @@ class SpeechBuilder(ComponentBuilder):
                 TensorSpec("audio_sizes", "int64", ("num_audios",)),
                 TensorSpec("audio_projection_mode", "int64", (1,)),
             ),
-            outputs=(TensorSpec("audio_features", io_dtype, ("num_audio_tokens", config.text.hidden_size)),),
+            outputs=(TensorSpec(AUDIO_FEATURES, io_dtype, ("num_audio_tokens", config.text.hidden_size)),),
         )
 
     def build(self, weights: Mapping[str, TensorRef]) -> dict[str, ir.Model]:
@@ -167,7 +168,7 @@ class _SpeechGraph:
         out = self.projection(x)
         if self.io_dtype != self.dtype:
             out = gb.op("Cast", out, to=onnx_dtype(self.io_dtype))
-        gb.output("audio_features", out)
+        gb.output(AUDIO_FEATURES, out)
         return gb.model()
 
     def subsample(self, x: ir.Value, lengths: ir.Value) -> tuple[ir.Value, ir.Value]:

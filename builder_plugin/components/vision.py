@@ -30,6 +30,7 @@ from builder_plugin.options import BuildOptions
 from builder_plugin.spec import Component, IOSpec, TensorSpec
 
 VISION_FILENAME = "phi-4-mm-vision.onnx"
+IMAGE_FEATURES = "image_features"  # the output, an input of the embedding graph
 NUM_CHANNELS = 3
 
 # SigLIP hidden_act -> ONNX Gelu `approximate`; gelu_new / gelu_fast / gelu_pytorch_tanh are the same tanh formula.
@@ -68,7 +69,7 @@ class VisionBuilder(ComponentBuilder):
                            "attention_mask"),
                 TensorSpec("image_sizes", "int64", ("num_images", 2)),
             ),
-            outputs=(TensorSpec("image_features", io_dtype, ("num_image_tokens", config.text.hidden_size)),),
+            outputs=(TensorSpec(IMAGE_FEATURES, io_dtype, ("num_image_tokens", config.text.hidden_size)),),
         )
 
     def build(self, weights: Mapping[str, TensorRef]) -> dict[str, ir.Model]:
@@ -89,7 +90,7 @@ class _VisionGraph:
         self.w = weights
         self.fused = fused_ops
         self.dtype = g.weight_dtype  # compute dtype of the float path
-        self.io_dtype = g.spec.output("image_features").onnx_dtype
+        self.io_dtype = g.spec.output(IMAGE_FEATURES).onnx_dtype
         self.pooled_side = (self.v.patches_per_side + 1) // 2  # the native reflection-pads odd sides
 
     # ---- small helpers --------------------------------------------------------------------------------------------
@@ -163,7 +164,7 @@ class _VisionGraph:
         features = g.op("Gather", table, rows, axis=0)
         if features.dtype != self.io_dtype:
             features = self.cast(features, self.io_dtype)
-        g.output("image_features", features)
+        g.output(IMAGE_FEATURES, features)
         return g.model()
 
     def crop_grid(self, image_sizes: ir.Value, mask_f32: ir.Value) -> dict[str, ir.Value]:

@@ -19,6 +19,7 @@ from builder_plugin.components.embedding import (
 )
 from builder_plugin.options import BuildOptions
 from builder_plugin.package import PackageWriter
+from builder_plugin.quant_plan import LM_HEAD_WEIGHT
 from builder_plugin.spec import Component, check_io
 
 DATA_FILE = "phi-4-mm-text.onnx.data"
@@ -266,7 +267,7 @@ def test_every_quantization_choice_reads_the_decoders_lm_head_stored_once(precis
     tensors = {t.name: onnx.numpy_helper.to_array(t) for t in decoder.graph.initializer}
     hidden = tiny_config.text.hidden_size
     if lm_head.op_type == "MatMulNBits":
-        assert computed.count("lm_head.MatMul.weight") == 1
+        assert computed.count(LM_HEAD_WEIGHT) == 1
         rows = _dequantized_rows(lm_head, tensors, hidden)
         assert "GatherBlockQuantized" in {n.op_type for n in embedding.graph.node}
     else:

@@ -87,13 +87,16 @@ class _VisionGraph:
         self.g = g
         self.v: VisionConfig = config.vision
         self.text_hidden = config.text.hidden_size
-        self.w = weights
+        self.weights = weights
         self.fused = fused_ops
         self.dtype = g.weight_dtype  # compute dtype of the float path
         self.io_dtype = g.spec.output(IMAGE_FEATURES).onnx_dtype
         self.pooled_side = (self.v.patches_per_side + 1) // 2  # the native reflection-pads odd sides
 
     # ---- small helpers --------------------------------------------------------------------------------------------
+    def ref(self, name: str) -> TensorRef:
+        return self.weights[name]
+
     def i64(self, value: object) -> ir.Value:
         return self.g.const(value, "int64")
 
@@ -109,13 +112,13 @@ class _VisionGraph:
 
     def linear(self, x: ir.Value, prefix: str) -> ir.Value:
         """``x @ W^T + b`` as MatMul with a constant [in, out] initializer and an Add (the int4 pass rewrites it)."""
-        w = self.g.weight(f"{prefix}.weight", self.w[f"{prefix}.weight"], transform=transposed)
-        b = self.g.weight(f"{prefix}.bias", self.w[f"{prefix}.bias"])
+        w = self.g.weight(f"{prefix}.weight", self.ref(f"{prefix}.weight"), transform=transposed)
+        b = self.g.weight(f"{prefix}.bias", self.ref(f"{prefix}.bias"))
         return self.g.op("Add", self.g.op("MatMul", x, w), b)
 
     def layer_norm(self, x: ir.Value, prefix: str) -> ir.Value:
-        gamma = self.g.weight(f"{prefix}.weight", self.w[f"{prefix}.weight"])
-        beta = self.g.weight(f"{prefix}.bias", self.w[f"{prefix}.bias"])
+        gamma = self.g.weight(f"{prefix}.weight", self.ref(f"{prefix}.weight"))
+        beta = self.g.weight(f"{prefix}.bias", self.ref(f"{prefix}.bias"))
         eps = float(self.v.layer_norm_eps)
         if self.fused:
             return self.g.op("LayerNormalization", x, gamma, beta, axis=-1, epsilon=eps)
@@ -214,8 +217,8 @@ class _VisionGraph:
         g, v = self.g, self.v
         patches, hidden = v.patches_per_side, v.hidden_size
         prefix = "img_processor.embeddings"
-        conv_w = g.weight(f"{prefix}.patch_embedding.weight", self.w[f"{prefix}.patch_embedding.weight"])
-        conv_b = g.weight(f"{prefix}.patch_embedding.bias", self.w[f"{prefix}.patch_embedding.bias"])
+        conv_w = g.weight(f"{prefix}.patch_embedding.weight", self.ref(f"{prefix}.patch_embedding.weight"))
+        conv_b = g.weight(f"{prefix}.patch_embedding.bias", self.ref(f"{prefix}.patch_embedding.bias"))
         conv = g.op("Conv", crop_pixels, conv_w, conv_b, kernel_shape=[v.patch_size, v.patch_size],
                     strides=[v.patch_size, v.patch_size])  # [V, C, P, P]
         patch_embeds = g.op("Transpose", g.op("Reshape", conv, self.i64([0, hidden, patches * patches])),
@@ -231,7 +234,7 @@ class _VisionGraph:
                    g.op("Unsqueeze", bucket_w, self.i64([1])))  # [V, P, P]
         key_valid = g.op("Reshape", patch_valid, self.i64([0, -1]))
         pos = g.op("Where", key_valid, g.op("Reshape", pos, self.i64([0, -1])), self.i64(0))
-        table = g.weight(f"{prefix}.position_embedding.weight", self.w[f"{prefix}.position_embedding.weight"])
+        table = g.weight(f"{prefix}.position_embedding.weight", self.ref(f"{prefix}.position_embedding.weight"))
         return g.op("Add", patch_embeds, g.op("Gather", table, pos, axis=0)), key_valid
 
     def position_bucket(self, count: ir.Value) -> ir.Value:
@@ -295,9 +298,9 @@ class _VisionGraph:
     def projected_table(self, pooled: ir.Value) -> ir.Value:
         """Projection MLP over [pooled rows ; sub_GN ; glb_GN] -> [V*G*G + 2, text hidden]."""
         g, c = self.g, self.v.hidden_size
-        sub_gn = g.weight("sub_img_feature_extensor", self.w["sub_img_feature_extensor"],
+        sub_gn = g.weight("sub_img_feature_extensor", self.ref("sub_img_feature_extensor"),
                           transform=lambda t: t.reshape(1, c))
-        glb_gn = g.weight("global_img_feature_extensor", self.w["global_img_feature_extensor"],
+        glb_gn = g.weight("global_img_feature_extensor", self.ref("global_img_feature_extensor"),
                           transform=lambda t: t.reshape(1, c))
         table = g.op("Concat", pooled, sub_gn, glb_gn, axis=0)
         up = self.gelu(self.linear(table, "img_projection_up"), "none")

@@ -1,10 +1,10 @@
 """The embedding graph: token lookup, then image and audio feature rows written over their placeholder tokens.
 
-onnxruntime-genai runs this graph at every step (contract §3.7). On the prompt step ``input_ids`` holds one
-``image_token_id`` per image-feature row and one ``audio_token_id`` per audio-feature row, in order; on decode steps
-both feature inputs are ``[0, hidden]``. Semantics follow transformers' native ``Phi4MultimodalFeatureEmbedding``:
-placeholder positions, in row-major (batch, sequence) order, take the feature rows in order (phi4mm-architecture.md
-§9). Every float tensor is in the I/O dtype, so nothing is cast.
+onnxruntime-genai runs this graph at every step, the prompt's and each generated token's. On the prompt step
+``input_ids`` holds one ``image_token_id`` per image-feature row and one ``audio_token_id`` per audio-feature row, in
+order; on decode steps both feature inputs are ``[0, hidden]``. Semantics follow transformers' native
+``Phi4MultimodalFeatureEmbedding``: placeholder positions, in row-major (batch, sequence) order, take the feature rows
+in order. Every float tensor is in the I/O dtype, so nothing is cast.
 
 Placement is ``ScatterND(embeds, NonZero(ids == token_id)^T, features)``: zero placeholders and zero rows scatter
 nothing, so decode steps cost one small NonZero per modality. It was preferred to the pad-with-a-zero-row / CumSum /

@@ -1,13 +1,14 @@
 """The speech graph (``phi-4-mm-speech.onnx``): the Conformer audio encoder plus both audio projection MLPs.
 
-Built node by node with onnx-ir (phi4mm-architecture.md §8; the native ``Phi4MultimodalAudioModel`` is the truth):
+Built node by node with onnx-ir; transformers' native ``Phi4MultimodalAudioModel`` defines the semantics:
 
     log-mel [N, F, 80] -> (x - mean) * invstd -> NeMo dw-striding conv subsampling (÷time_reduction)
     -> conformer blocks (T5-style linear relative bias, 500-frame chunks for long inputs)
     -> rows of each clip -> up/down projection chosen by audio_projection_mode (2 speech pair, 3 vision pair)
 
 Every clip comes out exactly as the original encodes that clip alone (a single clip gets no mask there), whatever it
-is batched with; the native batched path leaks padding (§11.2), this graph does not:
+is batched with. The native batched path does not guarantee this (the padding of a clip batched with longer ones
+leaks into its features); this graph keeps the clips apart:
 - padded frames are zeroed after the normalisation and again beyond each subsampling stage's valid length, so every
   strided convolution sees at its right edge the zeros the clip alone would see;
 - the blocks run on [clips * chunks, chunk, D] with a per-chunk key mask: a clip longer than one chunk attends all

@@ -1,8 +1,9 @@
 """The vision graph: SigLIP on the valid crops, 2x2 pooling, HD assembly and the projection MLP, all in one ONNX graph.
 
-Inputs are exactly what onnxruntime-genai's phi4mm processor feeds (contract §3.5): every image padded to the largest
-crop count, crop 0 the global view. The output has one row per image token, images in order
-(phi4mm-architecture.md §7). Semantics follow transformers' native ``Phi4MultimodalImageEmbedding``:
+Inputs are exactly what onnxruntime-genai's phi4mm processor feeds: every image padded to the largest crop count,
+crop 0 the global view. The output has one row per image token, images in order (the order in which the embedding
+graph writes them over the image placeholders). Semantics follow transformers' native
+``Phi4MultimodalImageEmbedding``:
 
 - only crops 0..h*w of each image go through SigLIP (batch-padding crops are gathered away);
 - NaViT position ids are bucketised from each crop's patch mask exactly as the native module does (its float32

@@ -8,7 +8,7 @@ run over every position of each teacher-forced sequence (prompt + the tokens the
 mask and the native LongRoPE; only the hidden states [T, hidden] survive it. Token rows and the lm_head are read in
 row ranges.
 
-Semantics per input mode, as the original model (phi4mm-architecture.md): text -> no LoRA, any image -> vision LoRA,
+Semantics per input mode, as the original model: text -> no LoRA, any image -> vision LoRA,
 audio only -> speech LoRA; the audio projection is the vision pair iff an image is present; each clip encoded alone.
 """
 

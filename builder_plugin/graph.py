@@ -23,6 +23,11 @@ MS_DOMAIN = "com.microsoft"
 WeightSource = TensorRef | torch.Tensor | np.ndarray
 
 
+def transposed(tensor: torch.Tensor) -> torch.Tensor:
+    """A weight `transform`: torch's Linear weight [out, in] as the [in, out] right operand of a MatMul."""
+    return tensor.t()
+
+
 class GraphBuilder:
     """Records nodes and initializers, then assembles an ``ir.Model`` whose I/O follows an IOSpec."""
 

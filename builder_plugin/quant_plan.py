@@ -18,7 +18,10 @@ from builder_plugin.extra_options import ALGO_CONFIGS, QUANT_TYPE_BITS
 from builder_plugin.options import BuildOptions
 from builder_plugin.quantize import QuantScheme
 
+# The GenAI builder's names for the lm_head MatMul and its weight [hidden, vocab]. The embedding's quantized token table
+# is computed under the weight's name (the quantizer names its pieces after it), so it is the decoder's very tensors.
 LM_HEAD_NODE = "/lm_head/MatMul"
+LM_HEAD_WEIGHT = "lm_head.MatMul.weight"
 
 
 def mixed_precision_nodes(placement: Mapping[str, str], num_layers: int) -> dict[str, int]:

@@ -10,12 +10,13 @@ import onnx
 import pytest
 
 from builder_plugin.components.decoder import DecoderBuilder
-from builder_plugin.components.embedding import EmbeddingBuilder
-from builder_plugin.components.speech import SpeechBuilder
-from builder_plugin.components.vision import VisionBuilder
+from builder_plugin.components.embedding import INPUTS_EMBEDS, TRANSPOSED_TOKEN_TABLE, EmbeddingBuilder
+from builder_plugin.components.speech import AUDIO_FEATURES, SpeechBuilder
+from builder_plugin.components.vision import IMAGE_FEATURES, VisionBuilder
 from builder_plugin.options import BuildOptions
 from builder_plugin.package import FILENAMES
-from builder_plugin.spec import Component
+from builder_plugin.quant_plan import LM_HEAD_NODE, LM_HEAD_WEIGHT
+from builder_plugin.spec import Component, TensorSpec
 
 CASES = [("fp32", "cpu", "routed"), ("int4", "cpu", "routed"), ("fp32", "cpu", "split"), ("fp16", "cuda", "routed"),
          ("int4", "dml", "routed"), ("fp16", "webgpu", "vision")]
@@ -29,19 +30,49 @@ def _specs(config, precision: str, provider: str, lora: str):
         (Component.EMBEDDING, EmbeddingBuilder), (Component.DECODER, DecoderBuilder))}
 
 
+def _io(spec: TensorSpec) -> tuple[str, str, tuple]:
+    return spec.name, spec.dtype, spec.shape
+
+
+# (producer, its output) -> (consumer, its input): every tensor one graph hands the next, through the runtime
+HANDOVERS = (((Component.VISION, IMAGE_FEATURES), (Component.EMBEDDING, IMAGE_FEATURES)),
+             ((Component.SPEECH, AUDIO_FEATURES), (Component.EMBEDDING, AUDIO_FEATURES)),
+             ((Component.EMBEDDING, INPUTS_EMBEDS), (Component.DECODER, INPUTS_EMBEDS)))
+
+
 @pytest.mark.parametrize(("precision", "provider", "lora"), CASES)
 def test_each_graph_consumes_what_the_previous_one_produces(tiny_config, precision, provider, lora):
     specs = _specs(tiny_config, precision, provider, lora)
     hidden = tiny_config.text.hidden_size
-    embedding = {t.name: t for t in specs[Component.EMBEDDING].inputs}
-    for producer, name in ((Component.VISION, "image_features"), (Component.SPEECH, "audio_features")):
-        out = specs[producer].output(name)
-        assert name in embedding, name
-        assert (out.dtype, out.shape[-1]) == (embedding[name].dtype, embedding[name].shape[-1]) == (out.dtype, hidden)
-        assert len(out.shape) == len(embedding[name].shape) == 2  # the runtime feeds rank-2 features
-    embeds = specs[Component.EMBEDDING].output("inputs_embeds")
-    decoder_inputs = {t.name: t for t in specs[Component.DECODER].inputs}
-    assert (embeds.dtype, embeds.shape[-1]) == (decoder_inputs["inputs_embeds"].dtype, hidden)
+    for (producer, output), (consumer, input_name) in HANDOVERS:
+        out = specs[producer].output(output)
+        assert input_name in specs[consumer].input_names, (consumer, input_name)
+        assert _io(out) == _io(specs[consumer].input(input_name)), (producer, consumer)
+        assert out.shape[-1] == hidden
+    for name in (IMAGE_FEATURES, AUDIO_FEATURES):  # the runtime feeds rank-2 features
+        assert len(specs[Component.EMBEDDING].input(name).shape) == 2
+
+
+def _graph_io(path: Path) -> dict[tuple[str, str], tuple[int, tuple]]:
+    """(input/output, name) -> (ONNX element type, dims as ints or symbols) of a written graph."""
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return {(kind, v.name): (v.type.tensor_type.elem_type,
+                             tuple(d.dim_value if d.HasField("dim_value") else d.dim_param
+                                   for d in v.type.tensor_type.shape.dim))
+            for kind, values in (("input", graph.input), ("output", graph.output)) for v in values}
+
+
+def test_written_graphs_hand_over_what_the_next_one_reads(tiny_package):
+    """The same handovers in the package's .onnx files: each name, element type and shape as the consumer declares
+    it (every decoder file of the package)."""
+    graphs = {c: [_graph_io(tiny_package / FILENAMES[c])] for c in (Component.VISION, Component.SPEECH,
+                                                                      Component.EMBEDDING)}
+    graphs[Component.DECODER] = [_graph_io(p) for p in sorted(tiny_package.glob("phi-4-mm-text*.onnx"))]
+    assert graphs[Component.DECODER]
+    for (producer, output), (consumer, input_name) in HANDOVERS:
+        (produced,) = graphs[producer]
+        for consumed in graphs[consumer]:
+            assert produced[("output", output)] == consumed[("input", input_name)], (producer, consumer)
 
 
 @pytest.mark.parametrize(("precision", "provider", "lora"), CASES)
@@ -65,9 +96,8 @@ def _initializer_locations(path) -> dict[str, tuple[str, str, str]]:
 
 @pytest.mark.parametrize("layout", ["routed", "split"])
 def test_token_table_is_shared_by_name(layout, request):
-    """The embedding reads the decoder's own lm_head initializer: same name, same bytes in the data file."""
-    from builder_plugin.components.embedding import LM_HEAD_WEIGHT, TRANSPOSED_TOKEN_TABLE
-
+    """The embedding reads the decoder's own lm_head initializer: same name, same bytes in the data file; the name is
+    the weight the decoder's lm_head MatMul multiplies by."""
     package = request.getfixturevalue({"routed": "tiny_package", "split": "tiny_split_package"}[layout])
     embedding = _initializer_locations(package / FILENAMES[Component.EMBEDDING])
     for decoder in sorted(package.glob("phi-4-mm-text*.onnx")):
@@ -75,3 +105,6 @@ def test_token_table_is_shared_by_name(layout, request):
         assert LM_HEAD_WEIGHT in weights, decoder.name
         table = embedding.get(TRANSPOSED_TOKEN_TABLE, embedding.get(LM_HEAD_WEIGHT))
         assert table == weights[LM_HEAD_WEIGHT], decoder.name
+        nodes = onnx.load(str(decoder), load_external_data=False).graph.node
+        lm_head = next(n for n in nodes if n.name == LM_HEAD_NODE)
+        assert lm_head.op_type == "MatMul" and lm_head.input[1] == LM_HEAD_WEIGHT, decoder.name

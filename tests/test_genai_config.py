@@ -10,7 +10,7 @@ from genai_config import make_genai_config, speech_processor_config, vision_proc
 
 
 def test_config_names_come_from_the_specs(tiny_config) -> None:
-    specs = stub_specs(tiny_config, "float32")
+    specs = stub_specs(tiny_config, "float32")  # the builders' own io_spec of every graph
     files = {c: f"{c.value}.onnx" for c in specs}
     cfg = make_genai_config(tiny_config, specs, files, "cpu")
     model = cfg["model"]

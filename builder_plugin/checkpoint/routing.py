@@ -25,8 +25,9 @@ from builder_plugin.spec import Component
 Shape = tuple[int, ...]
 Expand = Callable[[Phi4MMConfig], Iterable[dict[str, object]]]
 
-IMG = "model.embed_tokens_extend.image_embed."
-AUD = "model.embed_tokens_extend.audio_embed."
+# Key prefixes of the image and audio encoders (the same in both layouts).
+IMAGE_EMBED = "model.embed_tokens_extend.image_embed."
+AUDIO_EMBED = "model.embed_tokens_extend.audio_embed."
 
 
 def _text_layers(c: Phi4MMConfig) -> Iterable[dict[str, object]]:
@@ -83,12 +84,12 @@ class Ignored:
     expand: Expand = _once
 
 
-def _r(original: str, native: str, component: Component, local: str, shape, expand: Expand = _once, **kw) -> Route:
+def _route(original: str, native: str, component: Component, local: str, shape, expand: Expand = _once, **kw) -> Route:
     return Route(original, native, component, local, shape, expand, **kw)
 
 
 def _text(suffix_orig: str, suffix_native: str, local: str, shape, expand: Expand = _text_layers) -> Route:
-    return _r("model." + suffix_orig, "model." + suffix_native, Component.DECODER, local, shape, expand)
+    return _route("model." + suffix_orig, "model." + suffix_native, Component.DECODER, local, shape, expand)
 
 
 def _proj_shapes(c: Phi4MMConfig) -> dict[str, Shape]:
@@ -105,7 +106,7 @@ def _lora_routes() -> list[Route]:
     routes = []
     for proj in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
         routes.append(
-            _r(
+            _route(
                 f"model.layers.{{i}}.{proj}.lora_A.{{a}}.weight",
                 f"{{dir}}/base_model.model.model.layers.{{i}}.{proj}.lora_A.weight",
                 Component.DECODER,
@@ -115,7 +116,7 @@ def _lora_routes() -> list[Route]:
             )
         )
         routes.append(
-            _r(
+            _route(
                 f"model.layers.{{i}}.{proj}.lora_B.{{a}}.weight",
                 f"{{dir}}/base_model.model.model.layers.{{i}}.{proj}.lora_B.weight",
                 Component.DECODER,
@@ -128,7 +129,7 @@ def _lora_routes() -> list[Route]:
 
 
 def _vision(orig: str, native: str, shape, expand: Expand = _once) -> Route:
-    return _r(IMG + orig, IMG + native, Component.VISION, native, shape, expand)
+    return _route(IMAGE_EMBED + orig, IMAGE_EMBED + native, Component.VISION, native, shape, expand)
 
 
 def _siglip_layer(name: str, shape) -> Route:
@@ -137,7 +138,7 @@ def _siglip_layer(name: str, shape) -> Route:
 
 
 def _speech(orig: str, native: str, shape, expand: Expand = _once) -> Route:
-    return _r(AUD + orig, AUD + native, Component.SPEECH, native, shape, expand)
+    return _route(AUDIO_EMBED + orig, AUDIO_EMBED + native, Component.SPEECH, native, shape, expand)
 
 
 def _block(orig: str, native: str, shape) -> Route:
@@ -148,56 +149,73 @@ def _vec(size: Callable[[Phi4MMConfig], int]) -> Callable[[Phi4MMConfig], Shape]
     return lambda c, **_: (size(c),)
 
 
-_H = lambda c: c.text.hidden_size  # noqa: E731 - short size getters keep the table readable
-_C = lambda c: c.vision.hidden_size  # noqa: E731
-_D = lambda c: c.audio.attention_dim  # noqa: E731
+def _text_hidden(c: Phi4MMConfig) -> int:
+    return c.text.hidden_size
+
+
+def _vision_hidden(c: Phi4MMConfig) -> int:
+    return c.vision.hidden_size
+
+
+def _audio_dim(c: Phi4MMConfig) -> int:
+    return c.audio.attention_dim
+
 
 WEIGHT_ROUTES: tuple[Route, ...] = (
     # --- token embedding (the decoder's tied lm_head reads the same tensor) ---
-    _r("model.embed_tokens.weight", "model.embed_tokens.weight", Component.EMBEDDING, "embed_tokens.weight",
+    _route("model.embed_tokens.weight", "model.embed_tokens.weight", Component.EMBEDDING, "embed_tokens.weight",
        lambda c, **_: (c.text.vocab_size, c.text.hidden_size)),
-    _r("model.embed_tokens.weight", "model.embed_tokens.weight", Component.DECODER, "embed_tokens.weight",
+    _route("model.embed_tokens.weight", "model.embed_tokens.weight", Component.DECODER, "embed_tokens.weight",
        lambda c, **_: (c.text.vocab_size, c.text.hidden_size)),
-    _r("lm_head.weight", "lm_head.weight", Component.DECODER, "lm_head.weight",
+    _route("lm_head.weight", "lm_head.weight", Component.DECODER, "lm_head.weight",
        lambda c, **_: (c.text.vocab_size, c.text.hidden_size), required=lambda c: not c.text.tie_word_embeddings),
     # --- text decoder ---
     _text("layers.{i}.input_layernorm.weight", "layers.{i}.input_layernorm.weight",
-          "layers.{i}.input_layernorm.weight", _vec(_H)),
+          "layers.{i}.input_layernorm.weight", _vec(_text_hidden)),
     _text("layers.{i}.post_attention_layernorm.weight", "layers.{i}.post_attention_layernorm.weight",
-          "layers.{i}.post_attention_layernorm.weight", _vec(_H)),
+          "layers.{i}.post_attention_layernorm.weight", _vec(_text_hidden)),
     *(
         _text(f"layers.{{i}}.{proj}.base_layer.weight", f"layers.{{i}}.{proj}.weight", f"layers.{{i}}.{proj}.weight",
               lambda c, p=proj, **_: _proj_shapes(c)[p])
         for proj in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
     ),
     *_lora_routes(),
-    _text("norm.weight", "norm.weight", "norm.weight", _vec(_H), _once),
+    _text("norm.weight", "norm.weight", "norm.weight", _vec(_text_hidden), _once),
     # --- vision: SigLIP tower, HD separators, projection ---
     _vision("glb_GN", "global_img_feature_extensor", lambda c, **_: (1, 1, c.vision.hidden_size)),
     _vision("sub_GN", "sub_img_feature_extensor", lambda c, **_: (1, 1, 1, c.vision.hidden_size)),
-    _vision("img_projection.0.weight", "img_projection_up.weight", lambda c, **_: (_H(c), _C(c))),
-    _vision("img_projection.0.bias", "img_projection_up.bias", _vec(_H)),
-    _vision("img_projection.2.weight", "img_projection_down.weight", lambda c, **_: (_H(c), _H(c))),
-    _vision("img_projection.2.bias", "img_projection_down.bias", _vec(_H)),
+    _vision("img_projection.0.weight", "img_projection_up.weight", lambda c, **_: (_text_hidden(c), _vision_hidden(c))),
+    _vision("img_projection.0.bias", "img_projection_up.bias", _vec(_text_hidden)),
+    _vision("img_projection.2.weight", "img_projection_down.weight", lambda c, **_: (_text_hidden(c), _text_hidden(c))),
+    _vision("img_projection.2.bias", "img_projection_down.bias", _vec(_text_hidden)),
     _vision("img_processor.embeddings.patch_embedding.weight", "img_processor.embeddings.patch_embedding.weight",
-            lambda c, **_: (_C(c), 3, c.vision.patch_size, c.vision.patch_size)),
-    _vision("img_processor.embeddings.patch_embedding.bias", "img_processor.embeddings.patch_embedding.bias", _vec(_C)),
+            lambda c, **_: (_vision_hidden(c), 3, c.vision.patch_size, c.vision.patch_size)),
+    _vision("img_processor.embeddings.patch_embedding.bias", "img_processor.embeddings.patch_embedding.bias",
+            _vec(_vision_hidden)),
     _vision("img_processor.embeddings.position_embedding.weight",
-            "img_processor.embeddings.position_embedding.weight", lambda c, **_: (c.vision.num_positions, _C(c))),
-    *(_siglip_layer(f"{norm}.{p}", _vec(_C)) for norm in ("layer_norm1", "layer_norm2") for p in ("weight", "bias")),
+            "img_processor.embeddings.position_embedding.weight",
+            lambda c, **_: (c.vision.num_positions, _vision_hidden(c))),
     *(
-        _siglip_layer(f"self_attn.{proj}.{p}", (lambda c, **_: (_C(c), _C(c))) if p == "weight" else _vec(_C))
+        _siglip_layer(f"{norm}.{p}", _vec(_vision_hidden))
+        for norm in ("layer_norm1", "layer_norm2")
+        for p in ("weight", "bias")
+    ),
+    *(
+        _siglip_layer(f"self_attn.{proj}.{p}",
+                      (lambda c, **_: (_vision_hidden(c), _vision_hidden(c))) if p == "weight"
+                      else _vec(_vision_hidden))
         for proj in ("q_proj", "k_proj", "v_proj", "out_proj")
         for p in ("weight", "bias")
     ),
-    _siglip_layer("mlp.fc1.weight", lambda c, **_: (c.vision.intermediate_size, _C(c))),
+    _siglip_layer("mlp.fc1.weight", lambda c, **_: (c.vision.intermediate_size, _vision_hidden(c))),
     _siglip_layer("mlp.fc1.bias", _vec(lambda c: c.vision.intermediate_size)),
-    _siglip_layer("mlp.fc2.weight", lambda c, **_: (_C(c), c.vision.intermediate_size)),
-    _siglip_layer("mlp.fc2.bias", _vec(_C)),
+    _siglip_layer("mlp.fc2.weight", lambda c, **_: (_vision_hidden(c), c.vision.intermediate_size)),
+    _siglip_layer("mlp.fc2.bias", _vec(_vision_hidden)),
     # --- speech: conformer encoder and both projection pairs ---
     *(
         _speech(f"audio_projection.{branch}.{idx}.{p}", f"{direction}_proj_for_{native}.{p}",
-                (lambda c, d=direction, **_: (_H(c), _D(c) if d == "up" else _H(c))) if p == "weight" else _vec(_H))
+                (lambda c, d=direction, **_: (_text_hidden(c), _audio_dim(c) if d == "up" else _text_hidden(c)))
+                if p == "weight" else _vec(_text_hidden))
         for branch, native in (("speech", "speech"), ("vision", "vision_speech"))
         for idx, direction in ((0, "up"), (2, "down"))
         for p in ("weight", "bias")
@@ -218,8 +236,8 @@ WEIGHT_ROUTES: tuple[Route, ...] = (
     _speech("encoder.embed.conv.{pw}.bias", "encoder.embed.conv.{pw}.bias",
             _vec(lambda c: c.audio.nemo_conv_channels), _subsampling_stages),
     _speech("encoder.embed.out.weight", "encoder.embed.out.weight",
-            lambda c, **_: (_D(c), c.audio.nemo_conv_channels * c.audio.nemo_final_size)),
-    _speech("encoder.embed.out.bias", "encoder.embed.out.bias", _vec(_D)),
+            lambda c, **_: (_audio_dim(c), c.audio.nemo_conv_channels * c.audio.nemo_final_size)),
+    _speech("encoder.embed.out.bias", "encoder.embed.out.bias", _vec(_audio_dim)),
     _speech("encoder.relative_attention_bias_layer.bias_values.weight",
             "encoder.relative_attention_bias_layer.bias_values.weight",
             lambda c, **_: (2 * c.audio.bias_max_distance, c.audio.attention_heads)),
@@ -227,51 +245,52 @@ WEIGHT_ROUTES: tuple[Route, ...] = (
         r
         for ff in ("feed_forward_in", "feed_forward_out")
         for r in (
-            _block(f"{ff}.layer_norm.weight", f"{ff}.layer_norm.weight", _vec(_D)),
-            _block(f"{ff}.layer_norm.bias", f"{ff}.layer_norm.bias", _vec(_D)),
+            _block(f"{ff}.layer_norm.weight", f"{ff}.layer_norm.weight", _vec(_audio_dim)),
+            _block(f"{ff}.layer_norm.bias", f"{ff}.layer_norm.bias", _vec(_audio_dim)),
             _block(f"{ff}.net.0.linear.weight", f"{ff}.gate_up_proj.weight",
-                   lambda c, **_: (2 * c.audio.linear_units, _D(c))),
+                   lambda c, **_: (2 * c.audio.linear_units, _audio_dim(c))),
             _block(f"{ff}.net.0.linear.bias", f"{ff}.gate_up_proj.bias", _vec(lambda c: 2 * c.audio.linear_units)),
-            _block(f"{ff}.net.2.weight", f"{ff}.down_proj.weight", lambda c, **_: (_D(c), c.audio.linear_units)),
-            _block(f"{ff}.net.2.bias", f"{ff}.down_proj.bias", _vec(_D)),
+            _block(f"{ff}.net.2.weight", f"{ff}.down_proj.weight",
+                   lambda c, **_: (_audio_dim(c), c.audio.linear_units)),
+            _block(f"{ff}.net.2.bias", f"{ff}.down_proj.bias", _vec(_audio_dim)),
         )
     ),
     *(
         _block(f"self_attn.linear_{orig}.{p}", f"self_attn.{native}_proj.{p}",
-               (lambda c, **_: (_D(c), _D(c))) if p == "weight" else _vec(_D))
+               (lambda c, **_: (_audio_dim(c), _audio_dim(c))) if p == "weight" else _vec(_audio_dim))
         for orig, native in (("q", "q"), ("k", "k"), ("v", "v"), ("out", "o"))
         for p in ("weight", "bias")
     ),
     *(
-        _block(f"{norm}.{p}", f"{norm}.{p}", _vec(_D))
+        _block(f"{norm}.{p}", f"{norm}.{p}", _vec(_audio_dim))
         for norm in ("conv.layer_norm", "layer_norm_att", "layer_norm")
         for p in ("weight", "bias")
     ),
     _block("conv.glu.b1", "conv.glu.b1", lambda c, **_: (1, c.audio.ext_pw_out_channel, 1)),
     _block("conv.glu.b2", "conv.glu.b2", lambda c, **_: (1, c.audio.ext_pw_out_channel, 1)),
     _block("conv.glu.ext_pw_conv_1d.weight", "conv.glu.ext_pw_conv_1d.weight",
-           lambda c, **_: (2 * c.audio.ext_pw_out_channel, _D(c), c.audio.ext_pw_kernel_size)),
+           lambda c, **_: (2 * c.audio.ext_pw_out_channel, _audio_dim(c), c.audio.ext_pw_kernel_size)),
     _block("conv.glu.ext_pw_conv_1d.bias", "conv.glu.ext_pw_conv_1d.bias",
            _vec(lambda c: 2 * c.audio.ext_pw_out_channel)),
     _block("conv.dw_sep_conv_1d.dw_conv.weight", "conv.dw_sep_conv_1d.dw_conv.weight",
-           lambda c, **_: (_D(c) * c.audio.depthwise_multiplier, 1, c.audio.kernel_size)),
+           lambda c, **_: (_audio_dim(c) * c.audio.depthwise_multiplier, 1, c.audio.kernel_size)),
     _block("conv.dw_sep_conv_1d.dw_conv.bias", "conv.dw_sep_conv_1d.dw_conv.bias",
-           _vec(lambda c: _D(c) * c.audio.depthwise_multiplier)),
+           _vec(lambda c: _audio_dim(c) * c.audio.depthwise_multiplier)),
     _block("conv.dw_sep_conv_1d.pw_conv.weight", "conv.dw_sep_conv_1d.pw_conv.weight",
-           lambda c, **_: (c.audio.depthwise_separable_out_channel, _D(c) * c.audio.depthwise_multiplier, 1)),
+           lambda c, **_: (c.audio.depthwise_separable_out_channel, _audio_dim(c) * c.audio.depthwise_multiplier, 1)),
     _block("conv.dw_sep_conv_1d.pw_conv.bias", "conv.dw_sep_conv_1d.pw_conv.bias",
            _vec(lambda c: c.audio.depthwise_separable_out_channel)),
     _block("conv.ext_pw_conv_1d.weight", "conv.ext_pw_conv_1d.weight",
-           lambda c, **_: (_D(c), c.audio.depthwise_separable_out_channel, 1)),
-    _block("conv.ext_pw_conv_1d.bias", "conv.ext_pw_conv_1d.bias", _vec(_D)),
+           lambda c, **_: (_audio_dim(c), c.audio.depthwise_separable_out_channel, 1)),
+    _block("conv.ext_pw_conv_1d.bias", "conv.ext_pw_conv_1d.bias", _vec(_audio_dim)),
 )
 
 IGNORED: tuple[Ignored, ...] = (
-    Ignored(IMG + "img_processor.encoder.layers.{i}.", IMG + "img_processor.encoder.layers.{i}.",
+    Ignored(IMAGE_EMBED + "img_processor.encoder.layers.{i}.", IMAGE_EMBED + "img_processor.encoder.layers.{i}.",
             "SigLIP layer after the feature layer (hidden_states[-2])", _vision_layers_unused),
-    Ignored(IMG + "img_processor.post_layernorm.", IMG + "img_processor.post_layernorm.",
+    Ignored(IMAGE_EMBED + "img_processor.post_layernorm.", IMAGE_EMBED + "img_processor.post_layernorm.",
             "SigLIP post-layernorm, not on the feature path"),
-    Ignored(IMG + "img_processor.head.", IMG + "img_processor.head.",
+    Ignored(IMAGE_EMBED + "img_processor.head.", IMAGE_EMBED + "img_processor.head.",
             "SigLIP attention-pooling head, not on the feature path"),
     Ignored("lm_head.weight", "lm_head.weight", "tied to model.embed_tokens.weight"),
 )

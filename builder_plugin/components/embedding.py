@@ -1,10 +1,10 @@
 """The embedding graph: token lookup, then image and audio feature rows written over their placeholder tokens.
 
-onnxruntime-genai runs this graph at every step (contract §3.7). On the prompt step ``input_ids`` holds one
-``image_token_id`` per image-feature row and one ``audio_token_id`` per audio-feature row, in order; on decode steps
-both feature inputs are ``[0, hidden]``. Semantics follow transformers' native ``Phi4MultimodalFeatureEmbedding``:
-placeholder positions, in row-major (batch, sequence) order, take the feature rows in order (phi4mm-architecture.md
-§9). Every float tensor is in the I/O dtype, so nothing is cast.
+onnxruntime-genai runs this graph at every step, the prompt's and each generated token's. On the prompt step
+``input_ids`` holds one ``image_token_id`` per image-feature row and one ``audio_token_id`` per audio-feature row, in
+order; on decode steps both feature inputs are ``[0, hidden]``. Semantics follow transformers' native
+``Phi4MultimodalFeatureEmbedding``: placeholder positions, in row-major (batch, sequence) order, take the feature rows
+in order. Every float tensor is in the I/O dtype, so nothing is cast.
 
 Placement is ``ScatterND(embeds, NonZero(ids == token_id)^T, features)``: zero placeholders and zero rows scatter
 nothing, so decode steps cost one small NonZero per modality. It was preferred to the pad-with-a-zero-row / CumSum /
@@ -35,31 +35,27 @@ from typing import Literal
 
 import numpy as np
 import onnx_ir as ir
-import torch
 
 from builder_plugin.checkpoint.reader import TensorRef
 from builder_plugin.components.base import ComponentBuilder
+from builder_plugin.components.speech import AUDIO_FEATURES, SpeechBuilder
+from builder_plugin.components.vision import IMAGE_FEATURES, VisionBuilder
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.dtypes import DTYPES
 from builder_plugin.errors import SpecMismatchError
-from builder_plugin.graph import MS_DOMAIN, GraphBuilder
+from builder_plugin.graph import MS_DOMAIN, GraphBuilder, transposed
 from builder_plugin.options import BuildOptions
-from builder_plugin.quant_plan import LM_HEAD_NODE, QuantPlan
+from builder_plugin.quant_plan import LM_HEAD_NODE, LM_HEAD_WEIGHT, QuantPlan
 from builder_plugin.quantize import ColumnChunkedTensor, QuantScheme
 from builder_plugin.spec import Component, IOSpec, TensorSpec
 
 EMBEDDING_FILENAME = "phi-4-mm-embedding.onnx"
 TOKEN_TABLE = "embed_tokens.weight"  # routed local name; also the initializer name of the "rows" layout
 TRANSPOSED_TOKEN_TABLE = "embed_tokens.weight.transposed"
-
-LM_HEAD_WEIGHT = "lm_head.MatMul.weight"  # the decoder's name for the tied lm_head weight [hidden, vocab]
+INPUTS_EMBEDS = "inputs_embeds"  # the output, the decoder's input
 
 TableLayout = Literal["transposed", "rows", "quantized"]
 TABLE_LAYOUTS: tuple[str, ...] = ("transposed", "rows", "quantized")
-
-
-def _transposed(t: torch.Tensor) -> torch.Tensor:
-    return t.t()
 
 
 class EmbeddingBuilder(ComponentBuilder):
@@ -88,10 +84,11 @@ class EmbeddingBuilder(ComponentBuilder):
         return IOSpec(
             inputs=(
                 TensorSpec("input_ids", "int64", ("batch_size", "sequence_length")),
-                TensorSpec("image_features", io_dtype, ("num_image_tokens", hidden)),
-                TensorSpec("audio_features", io_dtype, ("num_audio_tokens", hidden)),
+                # the feature inputs are the encoders' outputs: one declaration of each name, dtype and shape
+                VisionBuilder.io_spec(config, io_dtype).output(IMAGE_FEATURES),
+                SpeechBuilder.io_spec(config, io_dtype).output(AUDIO_FEATURES),
             ),
-            outputs=(TensorSpec("inputs_embeds", io_dtype, ("batch_size", "sequence_length", hidden)),),
+            outputs=(TensorSpec(INPUTS_EMBEDS, io_dtype, ("batch_size", "sequence_length", hidden)),),
         )
 
     def build(self, weights: Mapping[str, TensorRef]) -> dict[str, ir.Model]:
@@ -109,7 +106,7 @@ class EmbeddingBuilder(ComponentBuilder):
         g = GraphBuilder("phi-4-mm-embedding", self.io_spec(self.config, io_dtype), self.options.weight_dtype)
         ids = g.inputs["input_ids"]
         if self.table_layout == "transposed":
-            table_t = g.weight(TRANSPOSED_TOKEN_TABLE, table, transform=_transposed)
+            table_t = g.weight(TRANSPOSED_TOKEN_TABLE, table, transform=transposed)
             columns = g.op("Gather", table_t, ids, axis=1)  # [hidden, batch, seq]
             embeds = g.op("Transpose", columns, perm=[1, 2, 0])
         elif self.table_layout == "quantized":
@@ -117,10 +114,10 @@ class EmbeddingBuilder(ComponentBuilder):
         else:
             embeds = g.op("Gather", g.weight(TOKEN_TABLE, table), ids, axis=0)
 
-        for token_id, features in ((self.config.image_token_id, "image_features"),
-                                   (self.config.audio_token_id, "audio_features")):
+        for token_id, features in ((self.config.image_token_id, IMAGE_FEATURES),
+                                   (self.config.audio_token_id, AUDIO_FEATURES)):
             embeds = _place_features(g, embeds, ids, token_id, g.inputs[features])
-        g.output("inputs_embeds", embeds)
+        g.output(INPUTS_EMBEDS, embeds)
         return {EMBEDDING_FILENAME: g.model()}
 
 

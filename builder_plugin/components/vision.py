@@ -1,8 +1,9 @@
 """The vision graph: SigLIP on the valid crops, 2x2 pooling, HD assembly and the projection MLP, all in one ONNX graph.
 
-Inputs are exactly what onnxruntime-genai's phi4mm processor feeds (contract §3.5): every image padded to the largest
-crop count, crop 0 the global view. The output has one row per image token, images in order
-(phi4mm-architecture.md §7). Semantics follow transformers' native ``Phi4MultimodalImageEmbedding``:
+Inputs are exactly what onnxruntime-genai's phi4mm processor feeds: every image padded to the largest crop count,
+crop 0 the global view. The output has one row per image token, images in order (the order in which the embedding
+graph writes them over the image placeholders). Semantics follow transformers' native
+``Phi4MultimodalImageEmbedding``:
 
 - only crops 0..h*w of each image go through SigLIP (batch-padding crops are gathered away);
 - NaViT position ids are bucketised from each crop's patch mask exactly as the native module does (its float32
@@ -25,11 +26,12 @@ from builder_plugin.checkpoint.reader import TensorRef
 from builder_plugin.components.base import ComponentBuilder
 from builder_plugin.config import Phi4MMConfig, VisionConfig
 from builder_plugin.errors import UnsupportedModelError
-from builder_plugin.graph import MS_DOMAIN, GraphBuilder
+from builder_plugin.graph import MS_DOMAIN, GraphBuilder, transposed
 from builder_plugin.options import BuildOptions
 from builder_plugin.spec import Component, IOSpec, TensorSpec
 
 VISION_FILENAME = "phi-4-mm-vision.onnx"
+IMAGE_FEATURES = "image_features"  # the output, an input of the embedding graph
 NUM_CHANNELS = 3
 
 # SigLIP hidden_act -> ONNX Gelu `approximate`; gelu_new / gelu_fast / gelu_pytorch_tanh are the same tanh formula.
@@ -37,10 +39,6 @@ GELU_APPROXIMATION = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu_fas
 
 _F32 = ir.DataType.FLOAT
 _I64 = ir.DataType.INT64
-
-
-def _transposed(t: torch.Tensor) -> torch.Tensor:
-    return t.t()
 
 
 class VisionBuilder(ComponentBuilder):
@@ -72,7 +70,7 @@ class VisionBuilder(ComponentBuilder):
                            "attention_mask"),
                 TensorSpec("image_sizes", "int64", ("num_images", 2)),
             ),
-            outputs=(TensorSpec("image_features", io_dtype, ("num_image_tokens", config.text.hidden_size)),),
+            outputs=(TensorSpec(IMAGE_FEATURES, io_dtype, ("num_image_tokens", config.text.hidden_size)),),
         )
 
     def build(self, weights: Mapping[str, TensorRef]) -> dict[str, ir.Model]:
@@ -90,13 +88,16 @@ class _VisionGraph:
         self.g = g
         self.v: VisionConfig = config.vision
         self.text_hidden = config.text.hidden_size
-        self.w = weights
+        self.weights = weights
         self.fused = fused_ops
         self.dtype = g.weight_dtype  # compute dtype of the float path
-        self.io_dtype = g.spec.output("image_features").onnx_dtype
+        self.io_dtype = g.spec.output(IMAGE_FEATURES).onnx_dtype
         self.pooled_side = (self.v.patches_per_side + 1) // 2  # the native reflection-pads odd sides
 
     # ---- small helpers --------------------------------------------------------------------------------------------
+    def ref(self, name: str) -> TensorRef:
+        return self.weights[name]
+
     def i64(self, value: object) -> ir.Value:
         return self.g.const(value, "int64")
 
@@ -112,13 +113,13 @@ class _VisionGraph:
 
     def linear(self, x: ir.Value, prefix: str) -> ir.Value:
         """``x @ W^T + b`` as MatMul with a constant [in, out] initializer and an Add (the int4 pass rewrites it)."""
-        w = self.g.weight(f"{prefix}.weight", self.w[f"{prefix}.weight"], transform=_transposed)
-        b = self.g.weight(f"{prefix}.bias", self.w[f"{prefix}.bias"])
+        w = self.g.weight(f"{prefix}.weight", self.ref(f"{prefix}.weight"), transform=transposed)
+        b = self.g.weight(f"{prefix}.bias", self.ref(f"{prefix}.bias"))
         return self.g.op("Add", self.g.op("MatMul", x, w), b)
 
     def layer_norm(self, x: ir.Value, prefix: str) -> ir.Value:
-        gamma = self.g.weight(f"{prefix}.weight", self.w[f"{prefix}.weight"])
-        beta = self.g.weight(f"{prefix}.bias", self.w[f"{prefix}.bias"])
+        gamma = self.g.weight(f"{prefix}.weight", self.ref(f"{prefix}.weight"))
+        beta = self.g.weight(f"{prefix}.bias", self.ref(f"{prefix}.bias"))
         eps = float(self.v.layer_norm_eps)
         if self.fused:
             return self.g.op("LayerNormalization", x, gamma, beta, axis=-1, epsilon=eps)
@@ -167,7 +168,7 @@ class _VisionGraph:
         features = g.op("Gather", table, rows, axis=0)
         if features.dtype != self.io_dtype:
             features = self.cast(features, self.io_dtype)
-        g.output("image_features", features)
+        g.output(IMAGE_FEATURES, features)
         return g.model()
 
     def crop_grid(self, image_sizes: ir.Value, mask_f32: ir.Value) -> dict[str, ir.Value]:
@@ -217,8 +218,8 @@ class _VisionGraph:
         g, v = self.g, self.v
         patches, hidden = v.patches_per_side, v.hidden_size
         prefix = "img_processor.embeddings"
-        conv_w = g.weight(f"{prefix}.patch_embedding.weight", self.w[f"{prefix}.patch_embedding.weight"])
-        conv_b = g.weight(f"{prefix}.patch_embedding.bias", self.w[f"{prefix}.patch_embedding.bias"])
+        conv_w = g.weight(f"{prefix}.patch_embedding.weight", self.ref(f"{prefix}.patch_embedding.weight"))
+        conv_b = g.weight(f"{prefix}.patch_embedding.bias", self.ref(f"{prefix}.patch_embedding.bias"))
         conv = g.op("Conv", crop_pixels, conv_w, conv_b, kernel_shape=[v.patch_size, v.patch_size],
                     strides=[v.patch_size, v.patch_size])  # [V, C, P, P]
         patch_embeds = g.op("Transpose", g.op("Reshape", conv, self.i64([0, hidden, patches * patches])),
@@ -234,7 +235,7 @@ class _VisionGraph:
                    g.op("Unsqueeze", bucket_w, self.i64([1])))  # [V, P, P]
         key_valid = g.op("Reshape", patch_valid, self.i64([0, -1]))
         pos = g.op("Where", key_valid, g.op("Reshape", pos, self.i64([0, -1])), self.i64(0))
-        table = g.weight(f"{prefix}.position_embedding.weight", self.w[f"{prefix}.position_embedding.weight"])
+        table = g.weight(f"{prefix}.position_embedding.weight", self.ref(f"{prefix}.position_embedding.weight"))
         return g.op("Add", patch_embeds, g.op("Gather", table, pos, axis=0)), key_valid
 
     def position_bucket(self, count: ir.Value) -> ir.Value:
@@ -298,9 +299,9 @@ class _VisionGraph:
     def projected_table(self, pooled: ir.Value) -> ir.Value:
         """Projection MLP over [pooled rows ; sub_GN ; glb_GN] -> [V*G*G + 2, text hidden]."""
         g, c = self.g, self.v.hidden_size
-        sub_gn = g.weight("sub_img_feature_extensor", self.w["sub_img_feature_extensor"],
+        sub_gn = g.weight("sub_img_feature_extensor", self.ref("sub_img_feature_extensor"),
                           transform=lambda t: t.reshape(1, c))
-        glb_gn = g.weight("global_img_feature_extensor", self.w["global_img_feature_extensor"],
+        glb_gn = g.weight("global_img_feature_extensor", self.ref("global_img_feature_extensor"),
                           transform=lambda t: t.reshape(1, c))
         table = g.op("Concat", pooled, sub_gn, glb_gn, axis=0)
         up = self.gelu(self.linear(table, "img_projection_up"), "none")

@@ -1,8 +1,8 @@
 """Run onnxruntime-genai's real phi4mm MultiModalProcessor without a built package.
 
 The processor only needs a loadable phi4mm folder (for the graph input dtypes), the processor JSONs and the tokenizer.
-`processor_inputs` writes a stub folder with placeholder graphs of the right I/O once per (tokenizer, dtype, hidden
-size) and returns the tensors the runtime would feed the vision, speech and embedding graphs, as numpy arrays.
+`processor_inputs` writes a stub folder once per (checkpoint, dtype), with placeholder graphs of the real builders' I/O
+specs, and returns the tensors the runtime would feed the vision, speech and embedding graphs, as numpy arrays.
 """
 
 from __future__ import annotations
@@ -15,9 +15,13 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
+from builder_plugin.components.decoder import DecoderBuilder
+from builder_plugin.components.embedding import EmbeddingBuilder
+from builder_plugin.components.speech import SpeechBuilder
+from builder_plugin.components.vision import VisionBuilder
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.graph import GraphBuilder
-from builder_plugin.spec import Component, IOSpec, TensorSpec
+from builder_plugin.spec import Component, IOSpec
 from genai_config import (
     GENAI_CONFIG_FILE,
     SPEECH_PROCESSOR_FILE,
@@ -34,37 +38,10 @@ _STUB_DIRS: dict[tuple[str, str], Path] = {}
 
 
 def stub_specs(config: Phi4MMConfig, io_dtype: str) -> dict[Component, IOSpec]:
-    """One-layer stand-ins with the runtime's tensor names (the processor reads only the input dtypes)."""
-    h = config.text.hidden_size
-    p = config.vision.patches_per_side
-    s = config.vision.image_size
-    kv = ("batch_size", 1, "past_sequence_length", 8)
-    return {
-        Component.VISION: IOSpec(
-            inputs=(TensorSpec("pixel_values", io_dtype, ("num_images", "max_crops", 3, s, s)),
-                    TensorSpec("image_attention_mask", io_dtype, ("num_images", "max_crops", p, p), "attention_mask"),
-                    TensorSpec("image_sizes", "int64", ("num_images", 2))),
-            outputs=(TensorSpec("image_features", io_dtype, ("num_image_tokens", h)),)),
-        Component.SPEECH: IOSpec(
-            inputs=(TensorSpec("audio_embeds", io_dtype, ("num_audios", "num_frames", config.audio.input_size)),
-                    TensorSpec("audio_attention_mask", "bool", ("num_audios", "num_frames"), "attention_mask"),
-                    TensorSpec("audio_sizes", "int64", ("num_audios",)),
-                    TensorSpec("audio_projection_mode", "int64", (1,))),
-            outputs=(TensorSpec("audio_features", io_dtype, ("num_audio_tokens", h)),)),
-        Component.EMBEDDING: IOSpec(
-            inputs=(TensorSpec("input_ids", "int64", ("batch_size", "sequence_length")),
-                    TensorSpec("image_features", io_dtype, ("num_image_tokens", h)),
-                    TensorSpec("audio_features", io_dtype, ("num_audio_tokens", h))),
-            outputs=(TensorSpec("inputs_embeds", io_dtype, ("batch_size", "sequence_length", h)),)),
-        Component.DECODER: IOSpec(
-            inputs=(TensorSpec("inputs_embeds", io_dtype, ("batch_size", "sequence_length", h)),
-                    TensorSpec("attention_mask", "int64", ("batch_size", "total_sequence_length")),
-                    TensorSpec("past_key_values.0.key", io_dtype, kv),
-                    TensorSpec("past_key_values.0.value", io_dtype, kv)),
-            outputs=(TensorSpec("logits", io_dtype, ("batch_size", "sequence_length", config.text.vocab_size)),
-                     TensorSpec("present.0.key", io_dtype, kv),
-                     TensorSpec("present.0.value", io_dtype, kv))),
-    }
+    """The real builders' I/O specs (the decoder's as a cpu build without self-routing declares it), so a renamed
+    tensor reaches the stub package and the runtime reading it (the processor reads only the input dtypes)."""
+    return {builder.component: builder.io_spec(config, io_dtype)
+            for builder in (VisionBuilder, SpeechBuilder, EmbeddingBuilder, DecoderBuilder)}
 
 
 def _stub_graph(name: str, spec: IOSpec) -> ir.Model:

@@ -4,13 +4,13 @@ Everything numeric here comes from transformers' native ``Phi4MultimodalForCausa
 module must never import ``builder_plugin`` code outside ``builder_plugin.testing``: it is the yardstick the ONNX graphs
 are measured against, so it reads checkpoints, converts configs and merges LoRA on its own.
 
-Semantics reproduced from the original ``Phi4MMForCausalLM`` (phi4mm-architecture.md §5.2, §8, §9, §11):
+Semantics reproduced from the original ``Phi4MMForCausalLM``:
 
 - LoRA per input mode: text only -> none, any image -> vision adapter, audio only -> speech adapter; merged into the
   text decoder weights as ``W + (alpha / r) * B @ A`` from one pristine copy of the base weights.
 - Audio projection: the ``*_vision_speech`` pair iff an image is present, else the ``*_for_speech`` pair.
 - Audio clips are encoded one at a time, trimmed to their valid frames and without a mask, as the original does for a
-  single clip (the native batched path leaks padding, §11.2).
+  single clip (the native batched path leaks padding: a clip batched with longer ones gets other features).
 - Decoding is prefill plus one-token KV-cached steps (the incremental forward ORT GenAI matches), never ``generate()``,
   which drops the cache at the LongRoPE boundary.
 """
@@ -63,27 +63,28 @@ LORA_TARGET = re.compile(r"model\.layers\.\d+\.(?:self_attn\.(?:qkv_proj|o_proj)
 _ORIGINAL_LORA_KEY = re.compile(rf"^({LORA_TARGET.pattern})\.lora_([AB])\.([A-Za-z0-9_]+)\.weight$")
 _PEFT_LORA_KEY = re.compile(rf"({LORA_TARGET.pattern})\.lora_([AB])(?:\.[A-Za-z0-9_]+)?\.weight$")
 
-_E = r"model\.embed_tokens_extend\."
+_IMAGE_EMBED = r"model\.embed_tokens_extend\.image_embed"
+_AUDIO_EMBED = r"model\.embed_tokens_extend\.audio_embed"
 # Original (remote-code) key -> native key. First match wins; keys matching no rule keep their name and are then
 # caught by the strict load (unexpected key), so a stale table cannot pass silently.
 ORIGINAL_TO_NATIVE_KEYS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
     (re.compile(pattern), replacement)
     for pattern, replacement in (
         (rf"^({LORA_TARGET.pattern})\.base_layer\.weight$", r"\1.weight"),
-        (rf"^({_E}image_embed)\.glb_GN$", r"\1.global_img_feature_extensor"),
-        (rf"^({_E}image_embed)\.sub_GN$", r"\1.sub_img_feature_extensor"),
-        (rf"^({_E}image_embed)\.img_projection\.0\.(weight|bias)$", r"\1.img_projection_up.\2"),
-        (rf"^({_E}image_embed)\.img_projection\.2\.(weight|bias)$", r"\1.img_projection_down.\2"),
-        (rf"^({_E}audio_embed)\.audio_projection\.speech\.0\.(weight|bias)$", r"\1.up_proj_for_speech.\2"),
-        (rf"^({_E}audio_embed)\.audio_projection\.speech\.2\.(weight|bias)$", r"\1.down_proj_for_speech.\2"),
-        (rf"^({_E}audio_embed)\.audio_projection\.vision\.0\.(weight|bias)$", r"\1.up_proj_for_vision_speech.\2"),
-        (rf"^({_E}audio_embed)\.audio_projection\.vision\.2\.(weight|bias)$", r"\1.down_proj_for_vision_speech.\2"),
-        (rf"^({_E}audio_embed\.encoder\.encoders\.\d+\.feed_forward_(?:in|out))\.net\.0\.linear\.(weight|bias)$",
+        (rf"^({_IMAGE_EMBED})\.glb_GN$", r"\1.global_img_feature_extensor"),
+        (rf"^({_IMAGE_EMBED})\.sub_GN$", r"\1.sub_img_feature_extensor"),
+        (rf"^({_IMAGE_EMBED})\.img_projection\.0\.(weight|bias)$", r"\1.img_projection_up.\2"),
+        (rf"^({_IMAGE_EMBED})\.img_projection\.2\.(weight|bias)$", r"\1.img_projection_down.\2"),
+        (rf"^({_AUDIO_EMBED})\.audio_projection\.speech\.0\.(weight|bias)$", r"\1.up_proj_for_speech.\2"),
+        (rf"^({_AUDIO_EMBED})\.audio_projection\.speech\.2\.(weight|bias)$", r"\1.down_proj_for_speech.\2"),
+        (rf"^({_AUDIO_EMBED})\.audio_projection\.vision\.0\.(weight|bias)$", r"\1.up_proj_for_vision_speech.\2"),
+        (rf"^({_AUDIO_EMBED})\.audio_projection\.vision\.2\.(weight|bias)$", r"\1.down_proj_for_vision_speech.\2"),
+        (rf"^({_AUDIO_EMBED}\.encoder\.encoders\.\d+\.feed_forward_(?:in|out))\.net\.0\.linear\.(weight|bias)$",
          r"\1.gate_up_proj.\2"),
-        (rf"^({_E}audio_embed\.encoder\.encoders\.\d+\.feed_forward_(?:in|out))\.net\.2\.(weight|bias)$",
+        (rf"^({_AUDIO_EMBED}\.encoder\.encoders\.\d+\.feed_forward_(?:in|out))\.net\.2\.(weight|bias)$",
          r"\1.down_proj.\2"),
-        (rf"^({_E}audio_embed\.encoder\.encoders\.\d+\.self_attn)\.linear_([qkv])\.(weight|bias)$", r"\1.\2_proj.\3"),
-        (rf"^({_E}audio_embed\.encoder\.encoders\.\d+\.self_attn)\.linear_out\.(weight|bias)$", r"\1.o_proj.\2"),
+        (rf"^({_AUDIO_EMBED}\.encoder\.encoders\.\d+\.self_attn)\.linear_([qkv])\.(weight|bias)$", r"\1.\2_proj.\3"),
+        (rf"^({_AUDIO_EMBED}\.encoder\.encoders\.\d+\.self_attn)\.linear_out\.(weight|bias)$", r"\1.o_proj.\2"),
     )
 )
 
@@ -378,7 +379,8 @@ def _top2_gap(logits: torch.Tensor) -> float:
 
 
 def count_image_tokens(vision: Phi4MultimodalVisionConfig, image_attention_mask: Any, image_sizes: Any) -> list[int]:
-    """Feature rows per image, from the HD canvas size and the crop masks (phi4mm-architecture.md §7.3)."""
+    """Feature rows per image, from the HD canvas size and the crop masks: the useful sub-crop grid (uh rows of uw + 1,
+    the last a separator), one global separator, the global crop (G rows of G + 1), G the 2x2-pooled side."""
     mask = _as_tensor(image_attention_mask, torch.float32)
     sizes = _as_tensor(image_sizes, torch.int64).view(-1, 2)
     patches = vision.image_size // vision.patch_size
@@ -588,7 +590,7 @@ class Reference:
 
     @staticmethod
     def _build_model(config: Phi4MultimodalConfig, state: dict[str, torch.Tensor]) -> Phi4MultimodalForCausalLM:
-        config._attn_implementation = "eager"  # sdpa makes SigLIP causal (phi4mm-architecture.md §11.1)
+        config._attn_implementation = "eager"  # sdpa makes SigLIP causal; the original attends both ways
         # Build on the meta device (no random init), then assign the checkpoint tensors upcast to fp32.
         with torch.device("meta"):
             model = Phi4MultimodalForCausalLM(config)
@@ -666,7 +668,7 @@ class Reference:
     # ---- features -----------------------------------------------------------------------------------------------
 
     def num_image_tokens(self, image_attention_mask: Any, image_sizes: Any) -> list[int]:
-        """Feature rows per image, from the HD canvas size and the crop masks (phi4mm-architecture.md §7.3)."""
+        """Feature rows per image, from the HD canvas size and the crop masks (see `count_image_tokens`)."""
         return count_image_tokens(self.config.vision_config, image_attention_mask, image_sizes)
 
     def image_features(self, pixel_values: Any, image_attention_mask: Any, image_sizes: Any) -> torch.Tensor:

@@ -8,7 +8,7 @@ run over every position of each teacher-forced sequence (prompt + the tokens the
 mask and the native LongRoPE; only the hidden states [T, hidden] survive it. Token rows and the lm_head are read in
 row ranges.
 
-Semantics per input mode, as the original model (phi4mm-architecture.md): text -> no LoRA, any image -> vision LoRA,
+Semantics per input mode, as the original model: text -> no LoRA, any image -> vision LoRA,
 audio only -> speech LoRA; the audio projection is the vision pair iff an image is present; each clip encoded alone.
 """
 
@@ -30,7 +30,7 @@ from transformers.models.phi4_multimodal.modeling_phi4_multimodal import (
 )
 
 from builder_plugin.checkpoint.reader import CheckpointReader, TensorRef
-from builder_plugin.checkpoint.routing import AUD, IMG, ignored_prefixes, route_weights
+from builder_plugin.checkpoint.routing import AUDIO_EMBED, IMAGE_EMBED, ignored_prefixes, route_weights
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.spec import Component
 from builder_plugin.testing.reference import (
@@ -114,7 +114,7 @@ class StreamingReference:
         image_rows: dict[int, torch.Tensor] = {}
         with_images = [i for i, s in enumerate(sequences) if s.has_image]
         if with_images:
-            image_embed = self._encoder(Phi4MultimodalImageEmbedding, Component.VISION, IMG)
+            image_embed = self._encoder(Phi4MultimodalImageEmbedding, Component.VISION, IMAGE_EMBED)
             for i in progress(with_images, "reference: vision encoder"):
                 inputs = sequences[i].inputs
                 image_rows[i] = encode_images(image_embed, self.native, inputs["pixel_values"],
@@ -123,7 +123,7 @@ class StreamingReference:
         audio_rows: dict[int, torch.Tensor] = {}
         with_audio = [i for i, s in enumerate(sequences) if s.has_audio]
         if with_audio:
-            audio_embed = self._encoder(Phi4MultimodalAudioEmbedding, Component.SPEECH, AUD)
+            audio_embed = self._encoder(Phi4MultimodalAudioEmbedding, Component.SPEECH, AUDIO_EMBED)
             for i in progress(with_audio, "reference: speech encoder"):
                 s = sequences[i]
                 audio_rows[i] = encode_audio(audio_embed, self.native, s.inputs["audio_embeds"],

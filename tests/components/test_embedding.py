@@ -19,6 +19,7 @@ from builder_plugin.components.embedding import (
 )
 from builder_plugin.options import BuildOptions
 from builder_plugin.package import PackageWriter
+from builder_plugin.quant_plan import LM_HEAD_NODE, LM_HEAD_WEIGHT
 from builder_plugin.spec import Component, check_io
 
 DATA_FILE = "phi-4-mm-text.onnx.data"
@@ -262,15 +263,15 @@ def test_every_quantization_choice_reads_the_decoders_lm_head_stored_once(precis
                        components=frozenset({C.EMBEDDING, C.DECODER}), extra_options=extra), progress=False)
     embedding = onnx.load(str(folder / EMBEDDING_FILENAME), load_external_data=False)
     decoder = onnx.load(str(folder / "phi-4-mm-text.onnx"))
-    lm_head = next(n for n in decoder.graph.node if n.name.startswith("/lm_head/MatMul"))
+    lm_head = next(n for n in decoder.graph.node if n.name.startswith(LM_HEAD_NODE))
     tensors = {t.name: onnx.numpy_helper.to_array(t) for t in decoder.graph.initializer}
     hidden = tiny_config.text.hidden_size
     if lm_head.op_type == "MatMulNBits":
-        assert computed.count("lm_head.MatMul.weight") == 1
+        assert computed.count(LM_HEAD_WEIGHT) == 1
         rows = _dequantized_rows(lm_head, tensors, hidden)
         assert "GatherBlockQuantized" in {n.op_type for n in embedding.graph.node}
     else:
-        assert "/lm_head/MatMul" in extra.get("nodes_to_exclude", "")
+        assert LM_HEAD_NODE in extra.get("nodes_to_exclude", "")
         rows = tensors[lm_head.input[1]].T
 
     def locations(model):

@@ -21,8 +21,8 @@ TEXT_PROJECTIONS = re.compile(
 )
 PROMPT = "<|user|>hello world<|end|><|assistant|>"
 
-# Original <- native renames, written out independently of make_checkpoint's table
-# (phi4mm-architecture.md §3); the conformer renames only apply inside the encoder blocks.
+# Original <- native renames (remote-code module names <- transformers' native ones), written out independently of
+# make_checkpoint's table; the conformer renames only apply inside the encoder blocks.
 RENAMES = (
     (".image_embed.global_img_feature_extensor", ".image_embed.glb_GN"),
     (".image_embed.sub_img_feature_extensor", ".image_embed.sub_GN"),
@@ -126,7 +126,7 @@ def test_original_config_fields(original_dir):
     assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_phi4mm.Phi4MMForCausalLM"
     assert not list(original_dir.glob("*.py"))
     head_dim = config["hidden_size"] // config["num_attention_heads"]
-    assert head_dim == 64  # the GQA constraint of phi4mm-architecture.md §12.1
+    assert head_dim == 64  # the smallest head that ORT GQA's fused rotary accepts with partial_rotary_factor 0.75
     rope = config["rope_scaling"]
     assert rope["type"] == "longrope"
     assert len(rope["short_factor"]) == len(rope["long_factor"]) == int(head_dim * config["partial_rotary_factor"]) // 2
@@ -316,7 +316,7 @@ def test_shards_split_contiguously_without_empty_shards():
 
 
 def test_full_preset_matches_the_published_parameter_count():
-    """phi4mm-architecture.md §1.7: 4.744 B base parameters, 369.1 M vision LoRA, 461.4 M speech LoRA."""
+    """The published model's counts: 4.744 B base parameters, 369.1 M vision LoRA, 461.4 M speech LoRA."""
     config = mc.original_config("full")
     assert config["img_processor"] is None  # SigLIP-so400m hard-coded by the remote code
     assert len(config["rope_scaling"]["long_factor"]) == 48

@@ -45,7 +45,7 @@ def native_ref(checkpoints):
     return Reference.load(checkpoints[1])
 
 
-# ---- inputs in the onnxruntime-genai MultiModalProcessor layout (contract §4.4) ---------------------------------
+# ---- inputs in the onnxruntime-genai MultiModalProcessor layout ---------------------------------------------------
 
 
 def text_ids(rng: np.random.Generator, n: int) -> list[int]:
@@ -53,7 +53,7 @@ def text_ids(rng: np.random.Generator, n: int) -> list[int]:
 
 
 def expected_image_tokens(ref: Reference, rows: int, cols: int) -> int:
-    """Token count from the valid patch rows/cols of the HD canvas (phi4mm-architecture.md §7.3)."""
+    """Token count from the valid patch rows/cols of the HD canvas: global crop, separator, useful sub-crop grid."""
     patches = ref.config.vision_config.image_size // ref.config.vision_config.patch_size
     grid = math.ceil(patches / 2)
     useful_h, useful_w = math.ceil(rows / 2), math.ceil(cols / 2)
@@ -63,7 +63,7 @@ def expected_image_tokens(ref: Reference, rows: int, cols: int) -> int:
 def image_inputs(ref: Reference, rng: np.random.Generator, images: list[tuple[int, int, int, int]]):
     """Images as (h_crops, w_crops, pad_rows, pad_cols): an h x w grid of crops on the HD canvas whose last
     pad_rows / pad_cols patch rows / columns are white padding. Batched like the processor does: crop 0 is the
-    global view, and images with fewer crops are padded with zero pixels and all-ones masks (contract §3.5)."""
+    global view, and images with fewer crops are padded with zero pixels and all-ones masks."""
     vision = ref.config.vision_config
     size, patch = vision.image_size, vision.patch_size
     patches = size // patch

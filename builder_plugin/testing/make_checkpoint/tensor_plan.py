@@ -16,50 +16,51 @@ if TYPE_CHECKING:
 
 
 # native name pattern -> original name template; first match wins, and every native name must match one row.
-_E = r"model\.embed_tokens_extend\."
+_IMAGE_EMBED = r"model\.embed_tokens_extend\.image_embed"
+_AUDIO_EMBED = r"model\.embed_tokens_extend\.audio_embed"
 NATIVE_TO_ORIGINAL: tuple[tuple[str, str | None], ...] = (
     (r"lm_head\.weight", None),  # tied to model.embed_tokens.weight, absent from the checkpoint
     (r"model\.layers\.(\d+)\.(self_attn\.(?:qkv_proj|o_proj)|mlp\.(?:gate_up_proj|down_proj))\.weight",
      r"model.layers.\1.\2.base_layer.weight"),
     (r"model\.(embed_tokens\.weight|norm\.weight|layers\.\d+\.(?:input|post_attention)_layernorm\.weight)",
      r"model.\1"),
-    (_E + r"image_embed\.global_img_feature_extensor", r"model.embed_tokens_extend.image_embed.glb_GN"),
-    (_E + r"image_embed\.sub_img_feature_extensor", r"model.embed_tokens_extend.image_embed.sub_GN"),
-    (_E + r"image_embed\.img_projection_up\.(weight|bias)",
+    (_IMAGE_EMBED + r"\.global_img_feature_extensor", r"model.embed_tokens_extend.image_embed.glb_GN"),
+    (_IMAGE_EMBED + r"\.sub_img_feature_extensor", r"model.embed_tokens_extend.image_embed.sub_GN"),
+    (_IMAGE_EMBED + r"\.img_projection_up\.(weight|bias)",
      r"model.embed_tokens_extend.image_embed.img_projection.0.\1"),
-    (_E + r"image_embed\.img_projection_down\.(weight|bias)",
+    (_IMAGE_EMBED + r"\.img_projection_down\.(weight|bias)",
      r"model.embed_tokens_extend.image_embed.img_projection.2.\1"),
-    (_E + r"image_embed\.img_processor\.("
+    (_IMAGE_EMBED + r"\.img_processor\.("
      r"embeddings\.(?:patch_embedding\.(?:weight|bias)|position_embedding\.weight)"
      r"|encoder\.layers\.\d+\.(?:layer_norm[12]|mlp\.fc[12]|self_attn\.(?:q|k|v|out)_proj)\.(?:weight|bias)"
      r"|post_layernorm\.(?:weight|bias)"
      r"|head\.(?:probe|attention\.in_proj_(?:weight|bias)|attention\.out_proj\.(?:weight|bias)"
      r"|layernorm\.(?:weight|bias)|mlp\.fc[12]\.(?:weight|bias)))",
      r"model.embed_tokens_extend.image_embed.img_processor.\1"),
-    (_E + r"audio_embed\.up_proj_for_speech\.(weight|bias)",
+    (_AUDIO_EMBED + r"\.up_proj_for_speech\.(weight|bias)",
      r"model.embed_tokens_extend.audio_embed.audio_projection.speech.0.\1"),
-    (_E + r"audio_embed\.down_proj_for_speech\.(weight|bias)",
+    (_AUDIO_EMBED + r"\.down_proj_for_speech\.(weight|bias)",
      r"model.embed_tokens_extend.audio_embed.audio_projection.speech.2.\1"),
-    (_E + r"audio_embed\.up_proj_for_vision_speech\.(weight|bias)",
+    (_AUDIO_EMBED + r"\.up_proj_for_vision_speech\.(weight|bias)",
      r"model.embed_tokens_extend.audio_embed.audio_projection.vision.0.\1"),
-    (_E + r"audio_embed\.down_proj_for_vision_speech\.(weight|bias)",
+    (_AUDIO_EMBED + r"\.down_proj_for_vision_speech\.(weight|bias)",
      r"model.embed_tokens_extend.audio_embed.audio_projection.vision.2.\1"),
-    (_E + r"audio_embed\.encoder\.encoders\.(\d+)\.(feed_forward_(?:in|out))\.gate_up_proj\.(weight|bias)",
+    (_AUDIO_EMBED + r"\.encoder\.encoders\.(\d+)\.(feed_forward_(?:in|out))\.gate_up_proj\.(weight|bias)",
      r"model.embed_tokens_extend.audio_embed.encoder.encoders.\1.\2.net.0.linear.\3"),
-    (_E + r"audio_embed\.encoder\.encoders\.(\d+)\.(feed_forward_(?:in|out))\.down_proj\.(weight|bias)",
+    (_AUDIO_EMBED + r"\.encoder\.encoders\.(\d+)\.(feed_forward_(?:in|out))\.down_proj\.(weight|bias)",
      r"model.embed_tokens_extend.audio_embed.encoder.encoders.\1.\2.net.2.\3"),
-    (_E + r"audio_embed\.encoder\.encoders\.(\d+)\.self_attn\.(q|k|v)_proj\.(weight|bias)",
+    (_AUDIO_EMBED + r"\.encoder\.encoders\.(\d+)\.self_attn\.(q|k|v)_proj\.(weight|bias)",
      r"model.embed_tokens_extend.audio_embed.encoder.encoders.\1.self_attn.linear_\2.\3"),
-    (_E + r"audio_embed\.encoder\.encoders\.(\d+)\.self_attn\.o_proj\.(weight|bias)",
+    (_AUDIO_EMBED + r"\.encoder\.encoders\.(\d+)\.self_attn\.o_proj\.(weight|bias)",
      r"model.embed_tokens_extend.audio_embed.encoder.encoders.\1.self_attn.linear_out.\2"),
-    (_E + r"audio_embed\.encoder\.(encoders\.\d+\.(?:"
+    (_AUDIO_EMBED + r"\.encoder\.(encoders\.\d+\.(?:"
      r"feed_forward_(?:in|out)\.layer_norm\.(?:weight|bias)"
      r"|conv\.(?:layer_norm|glu\.ext_pw_conv_1d|dw_sep_conv_1d\.dw_conv|dw_sep_conv_1d\.pw_conv|ext_pw_conv_1d)"
      r"\.(?:weight|bias)"
      r"|conv\.glu\.b[12]"
      r"|(?:layer_norm_att|layer_norm)\.(?:weight|bias)))",
      r"model.embed_tokens_extend.audio_embed.encoder.\1"),
-    (_E + r"audio_embed\.encoder\.(embed\.(?:conv\.\d+|out)\.(?:weight|bias)"
+    (_AUDIO_EMBED + r"\.encoder\.(embed\.(?:conv\.\d+|out)\.(?:weight|bias)"
      r"|encoder_embedding\.global_(?:mean|invstd)"
      r"|relative_attention_bias_layer\.bias_values\.weight)",
      r"model.embed_tokens_extend.audio_embed.encoder.\1"),

@@ -485,7 +485,13 @@ class Chat:
         """Replace the generator by one prefilled with every id so far: each key gets the long factors."""
         ids = live.token_ids()
         request = _Request(live.variant, live.loaded, time.perf_counter(), live.sampling, live.max_length, len(ids))
-        fresh = self._start(request, _with_ids(live.inputs, ids))
+        live.generator = None  # its KV cache is freed before the new one is allocated, not held beside it
+        try:
+            fresh = self._start(request, _with_ids(live.inputs, ids))
+        except ChatError:
+            if self._live is live:
+                self._drop_live()  # the conversation stays; its next question is prefilled whole
+            raise
         live.generator, live.inputs, live.long_factors = fresh.generator, fresh.inputs, True
 
 

@@ -117,6 +117,27 @@ def test_follow_up_crossing_the_switch_restarts_over_the_same_ids(tiny_package, 
     _assert_matches(chat, ids[stats.prompt_tokens:], expected, "follow-up past the switch")
 
 
+def test_the_recompute_frees_the_old_cache_first(tiny_package, tiny_config, monkeypatch):
+    """At the switch only one KV cache is alive: the old generator is released before the new one is prefilled
+    (holding both took 13.5 GB against 8.5 GB at full size for a 4k-token conversation)."""
+    switch = tiny_config.text.original_max_position_embeddings
+    question = "Count."
+    prompt_tokens = _text_ids_length(tiny_package, question)
+    chat = Chat(tiny_package)
+    start = chat._start
+    alive_at_start = []
+
+    def checked_start(request, inputs):
+        if chat._live is not None:
+            alive_at_start.append(chat._live.generator is not None)
+        return start(request, inputs)
+
+    monkeypatch.setattr(chat, "_start", checked_start)
+    list(chat.ask(question, max_new_tokens=switch - prompt_tokens + 4))
+    assert chat.last_stats.recomputed
+    assert alive_at_start == [False]  # the recompute's start: the first start had no live conversation yet
+
+
 def test_a_conversation_prompted_again_has_the_same_ids(tiny_package, media_dir):
     """Kept generator, a new Chat given the turns, the same Chat after another conversation (turns restored from
     their text), and after release(): the same token ids each way (answers are never re-tokenised)."""

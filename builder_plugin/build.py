@@ -21,8 +21,9 @@ from builder_plugin.checkpoint.routing import route_weights
 from builder_plugin.components.base import BUILDERS, ComponentBuilder
 from builder_plugin.config import Phi4MMConfig, read_json
 from builder_plugin.errors import BuildError, InputError
+from builder_plugin.layout import DATA_FILES, GRAPH_FILES
 from builder_plugin.options import BuildOptions
-from builder_plugin.package import DATA_FILES, FILENAMES, OutputFolder, PackageWriter
+from builder_plugin.package import OutputFolder, PackageWriter
 from builder_plugin.quantize import QuantizationCache
 from builder_plugin.runtime.manifest import Manifest
 from builder_plugin.spec import Component, IOSpec, check_io
@@ -128,7 +129,7 @@ def build(options: BuildOptions, progress: bool = True) -> BuildResult:
                     model = quantize_matmuls(model, QuantPlan.for_encoders(options), options.accuracy_level)
                 writer.save(model, filename, DATA_FILES[component])
             specs[component] = spec
-            filenames[component] = FILENAMES[component]
+            filenames[component] = GRAPH_FILES[component]
         runnable = set(components) >= RUNNABLE_MINIMUM
         if runnable:
             _write_runtime_configs(staging, config, options, specs, filenames)

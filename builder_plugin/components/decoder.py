@@ -30,7 +30,7 @@ import itertools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import onnx_ir as ir
@@ -48,18 +48,15 @@ from builder_plugin.components.mode_routing import (
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.dtypes import DTYPES, onnx_dtype
 from builder_plugin.errors import CheckpointError, DecoderBuildError
+from builder_plugin.layout import INPUT_MODES, MAIN_DECODER, SPLIT_DECODERS
 from builder_plugin.options import BuildOptions
 from builder_plugin.quant_plan import QuantPlan
 from builder_plugin.quantize import ColumnChunkedTensor, quantize_matmuls
 from builder_plugin.spec import Component, IOSpec, TensorSpec, check_io
 
-# The decoder genai_config.json names, and the other per-mode files of a split build (--lora split).
-MAIN_DECODER = "phi-4-mm-text.onnx"
-SPLIT_FILENAMES: dict[str, str] = {
-    "vision": MAIN_DECODER,  # images, and images + audio
-    "speech": "phi-4-mm-text-speech.onnx",  # audio only
-    "none": "phi-4-mm-text-base.onnx",  # text only
-}
+# The LoRA of each input mode's decoder in a split build, in the order they are built and written (the main decoder,
+# the one genai_config.json names, first).
+SPLIT_LORAS: dict[str, str] = {"vision": "vision", "speech": "speech", "text": "none"}
 _ATTN_EPS_WITH_FUSED_ROPE = ("cpu", "cuda", "webgpu")  # dml runs RotaryEmbedding on position_ids instead
 
 
@@ -98,8 +95,8 @@ def decoder_variants(config: Phi4MMConfig, options: BuildOptions) -> tuple[Decod
         return (DecoderVariant(MAIN_DECODER, "routed", adapters=ROUTED_ADAPTERS),)
     if lora == "split":
         _require_adapters(config, ("vision", "speech"))
-        return tuple(DecoderVariant(name, mode, adapters=() if mode == "none" else (mode,))
-                     for mode, name in SPLIT_FILENAMES.items())
+        return tuple(DecoderVariant(SPLIT_DECODERS[mode], lora, adapters=() if lora == "none" else (lora,))
+                     for mode, lora in SPLIT_LORAS.items())
     if lora == "none":
         return (DecoderVariant(MAIN_DECODER, "none"),)
     adapters = tuple(lora.split("+"))
@@ -140,10 +137,9 @@ class DecoderRuntimeSettings:
     def decoders_by_mode(self) -> tuple[str, dict[str, str]]:
         """How the decoder files answer the runtime's input modes: (routing, {mode: file}) for the manifest."""
         if set(self.variants) == {"vision", "speech", "none"}:
-            return "split", {"text": self.variants["none"], "vision": self.variants["vision"],
-                             "speech": self.variants["speech"]}
+            return "split", dict(SPLIT_DECODERS)
         routing = "self" if set(self.variants) == {"routed"} else "fixed"
-        return routing, dict.fromkeys(("text", "vision", "speech"), self.filename)
+        return routing, dict.fromkeys(INPUT_MODES, self.filename)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -652,9 +648,6 @@ def _fix_declared_shapes(model: ir.Model) -> None:
 
 class DecoderBuilder(ComponentBuilder):
     component = Component.DECODER
-
-    # Files a split build writes, by input mode; the app selects one with a genai_config overlay.
-    FILENAMES: ClassVar[dict[str, str]] = SPLIT_FILENAMES
 
     @classmethod
     def io_spec(cls, config: Phi4MMConfig, io_dtype: str, execution_provider: str = "cpu",

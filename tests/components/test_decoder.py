@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from builder_plugin.components.decoder import DecoderBuilder, DecoderBuildError, decoder_variants
-from builder_plugin.components.mode_routing import AUDIO_TOKEN_ID, IMAGE_TOKEN_ID
+from builder_plugin.components.decoder.mode_routing import AUDIO_TOKEN_ID, IMAGE_TOKEN_ID
 from builder_plugin.layout import DATA_FILES, MAIN_DECODER, SPLIT_DECODERS
 from builder_plugin.options import BuildOptions
 from builder_plugin.package import PackageWriter

@@ -83,6 +83,7 @@ def _build_result(out: Path, start: float, imported: float, graphs: float, saved
 
 def worker_ours(checkpoint: Path, out: Path, lora: str) -> dict[str, Any]:
     start = time.perf_counter()
+    from builder_plugin.build import build_component
     from builder_plugin.checkpoint.reader import CheckpointReader
     from builder_plugin.checkpoint.routing import route_weights
     from builder_plugin.components.decoder import DecoderBuilder, genai_builder_class
@@ -97,7 +98,7 @@ def worker_ours(checkpoint: Path, out: Path, lora: str) -> dict[str, Any]:
     config = Phi4MMConfig.from_dir(checkpoint)
     weights = route_weights(CheckpointReader(checkpoint, config.source_format), config)[Component.DECODER]
     options = BuildOptions(model_dir=checkpoint, output_dir=out, precision="int4", execution_provider="cpu", lora=lora)
-    models = DecoderBuilder(config, options).build(weights)
+    models = build_component(DecoderBuilder(config, options), weights).graphs
     graphs = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     writer = PackageWriter(out, progress=False)

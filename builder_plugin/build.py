@@ -13,12 +13,13 @@ import resource
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from builder_plugin.checkpoint.reader import CheckpointReader
+from builder_plugin.checkpoint.reader import CheckpointReader, TensorRef
 from builder_plugin.checkpoint.routing import route_weights
-from builder_plugin.components.base import BUILDERS, ComponentBuilder
+from builder_plugin.components.base import BUILDERS, BuildOutput, ComponentBuilder, DecoderRuntimeSettings
 from builder_plugin.config import Phi4MMConfig, read_json
 from builder_plugin.errors import BuildError, InputError
 from builder_plugin.layout import DATA_FILES, GRAPH_FILES
@@ -98,6 +99,18 @@ def check_tokenizer(model_dir: Path) -> None:
         read_json(model_dir / "tokenizer_config.json", what="tokenizer config")
 
 
+def build_component(builder: ComponentBuilder, weights: Mapping[str, TensorRef]) -> BuildOutput:
+    """One component's graphs as the package stores them, by the same steps for every component: the float graphs,
+    then each one quantized (int4/int8) and finished, and checked against the component's I/O spec."""
+    output = builder.build_output(weights)
+    graphs = {}
+    for filename, model in output.graphs.items():
+        model = builder.finish(builder.quantize(model))
+        check_io(model, output.spec, filename)
+        graphs[filename] = model
+    return replace(output, graphs=graphs)
+
+
 def build(options: BuildOptions, progress: bool = True) -> BuildResult:
     start = time.perf_counter()
     config = Phi4MMConfig.from_dir(options.model_dir)
@@ -112,27 +125,22 @@ def build(options: BuildOptions, progress: bool = True) -> BuildResult:
         writer = PackageWriter(staging, progress=progress)
         specs: dict[Component, IOSpec] = {}
         filenames: dict[Component, str] = {}
+        runtime: DecoderRuntimeSettings | None = None
         quant_cache = QuantizationCache()
         for step, component in enumerate(components, 1):
             if progress:
                 print(f"[{step}/{len(components)}] {component.value}: building the graph", file=sys.stderr, flush=True)
             builder = classes[component](config, options)
             builder.quant_cache = quant_cache
-            spec = builder.spec_for(config, options)
-            models = builder.build(weights[component])
-            for filename, model in models.items():
-                check_io(model, spec, filename)
-                if _quantized(component, options):
-                    from builder_plugin.quant_plan import QuantPlan
-                    from builder_plugin.quantize import quantize_matmuls
-
-                    model = quantize_matmuls(model, QuantPlan.for_encoders(options), options.accuracy_level)
+            output = build_component(builder, weights[component])
+            for filename, model in output.graphs.items():
                 writer.save(model, filename, DATA_FILES[component])
-            specs[component] = spec
+            specs[component] = output.spec
             filenames[component] = GRAPH_FILES[component]
+            runtime = output.runtime or runtime
         runnable = set(components) >= RUNNABLE_MINIMUM
         if runnable:
-            _write_runtime_configs(staging, config, options, specs, filenames)
+            _write_runtime_configs(staging, config, options, specs, filenames, runtime)
         for name in TOKENIZER_FILES:
             if (options.model_dir / name).is_file():
                 shutil.copy(options.model_dir / name, staging / name)
@@ -148,26 +156,17 @@ def build(options: BuildOptions, progress: bool = True) -> BuildResult:
     )
 
 
-def _quantized(component: Component, options: BuildOptions) -> bool:
-    if not options.quantize:
-        return False
-    # The decoder and embedding quantize themselves (the decoder variants share one quantized copy of the base
-    # weights; the embedding reads the lm_head's quantized table).
-    return component in (Component.VISION, Component.SPEECH) and options.quantize_encoders
-
-
 def _write_runtime_configs(folder: Path, config: Phi4MMConfig, options: BuildOptions,
-                           specs: dict[Component, IOSpec], filenames: dict[Component, str]) -> None:
+                           specs: dict[Component, IOSpec], filenames: dict[Component, str],
+                           runtime: DecoderRuntimeSettings) -> None:
     generation = {}
     if (options.model_dir / "generation_config.json").is_file():
         generation = read_json(options.model_dir / "generation_config.json", what="generation config")
-    settings = builder_class(Component.DECODER).runtime_settings(config, options)
     genai = make_genai_config(config, specs, filenames, options.execution_provider, options.max_length,
-                              share_kv_buffer=settings.past_present_share_buffer, generation=generation,
-                              provider_options=list(settings.provider_options))
+                              share_kv_buffer=runtime.past_present_share_buffer, generation=generation,
+                              provider_options=list(runtime.provider_options))
     write_json(folder / GENAI_CONFIG_FILE, genai)
-    routing, decoders = settings.decoders_by_mode()
-    Manifest(decoders, routing, config.text.original_max_position_embeddings).write(folder)
+    Manifest(runtime.decoders, runtime.routing, config.text.original_max_position_embeddings).write(folder)
     preprocessor = {}
     if (options.model_dir / "preprocessor_config.json").is_file():
         preprocessor = json.loads((options.model_dir / "preprocessor_config.json").read_text(encoding="utf-8"))

@@ -133,7 +133,7 @@ class _FailingBuilder:
     def io_spec(cls, config, io_dtype) -> IOSpec:
         return IOSpec(inputs=(), outputs=())
 
-    def build(self, weights):
+    def build_output(self, weights):
         raise self.error
 
 

@@ -1,4 +1,5 @@
-"""DecoderBuilder: the decoder variants of a build, made by the GenAI builder subclass from the routed weights."""
+"""DecoderBuilder: the decoder variants of a build, made by the GenAI builder subclass from the routed weights, and
+the decoder's quantization and finishing steps."""
 
 from __future__ import annotations
 
@@ -8,13 +9,8 @@ from typing import Any
 import onnx_ir as ir
 
 from builder_plugin.checkpoint.reader import TensorRef
-from builder_plugin.components.base import ComponentBuilder
-from builder_plugin.components.decoder.genai_builder import (
-    builder_extra_options,
-    genai_builder_class,
-    genai_text_config,
-    quiet,
-)
+from builder_plugin.components.base import BuildOutput, ComponentBuilder, DecoderRuntimeSettings
+from builder_plugin.components.decoder.genai_builder import genai_builder_class, make_genai_builder, quiet
 from builder_plugin.components.decoder.mode_routing import (
     MODE_INPUT,
     ModeState,
@@ -22,16 +18,15 @@ from builder_plugin.components.decoder.mode_routing import (
     route_lora_branches,
 )
 from builder_plugin.components.decoder.passes import fix_declared_shapes, hoist_rope_caches
-from builder_plugin.components.decoder.tree import TextDecoderTree, make_tree
-from builder_plugin.components.decoder.variants import DecoderRuntimeSettings, decoder_variants
+from builder_plugin.components.decoder.tree import make_tree
+from builder_plugin.components.decoder.variants import DecoderVariant, decoder_variants, decoders_by_input_mode
 from builder_plugin.components.decoder.weights import WeightTensors
 from builder_plugin.config import Phi4MMConfig
-from builder_plugin.dtypes import onnx_dtype
 from builder_plugin.errors import DecoderBuildError
 from builder_plugin.options import BuildOptions
 from builder_plugin.quant_plan import QuantPlan
 from builder_plugin.quantize import quantize_matmuls
-from builder_plugin.spec import Component, IOSpec, TensorSpec, check_io
+from builder_plugin.spec import Component, IOSpec, TensorSpec
 
 _ATTN_EPS_WITH_FUSED_ROPE = ("cpu", "cuda", "webgpu")  # dml runs RotaryEmbedding on position_ids instead
 
@@ -81,77 +76,61 @@ class DecoderBuilder(ComponentBuilder):
         self_routing = decoder_variants(config, options)[0].self_routing
         return cls.io_spec(config, options.io_dtype, options.execution_provider, self_routing=self_routing)
 
-    @classmethod
-    def runtime_settings(cls, config: Phi4MMConfig, options: BuildOptions) -> DecoderRuntimeSettings:
-        """Read from a GenAI builder instance set up exactly as `build` sets it up (no graph is made)."""
-        _check_precision(options)
-        variants = decoder_variants(config, options)
-        builder = cls._genai_builder(config, options, variants[0].filename)
-        ep = options.execution_provider
-        provider_options = () if ep == "cpu" else ({ep: dict(builder.ep_attrs[ep])},)
-        return DecoderRuntimeSettings(
-            filename=variants[0].filename,
-            variants={v.mode: v.filename for v in variants},
-            past_present_share_buffer=bool(builder.past_present_share_buffer),
-            provider_options=provider_options,
-            context_length=int(builder.context_length),
-            hidden_size=int(builder.hidden_size),
-            head_size=int(builder.head_size),
-            num_attention_heads=int(builder.num_attn_heads),
-            num_key_value_heads=int(builder.num_kv_heads),
-            num_hidden_layers=int(builder.num_layers),
-            vocab_size=int(builder.vocab_size),
-            io_dtype=options.io_dtype,
-            attention_op=str(builder.attention_attrs["op_type"]),
-            has_position_ids="position_ids" in builder.input_names,
-        )
-
-    @staticmethod
-    def _genai_builder(config: Phi4MMConfig, options: BuildOptions, filename: str,
-                       tree: TextDecoderTree | None = None, tensors: WeightTensors | None = None) -> Any:
-        io_dtype = onnx_dtype(options.io_dtype)
-        with quiet():
-            builder = genai_builder_class()(
-                genai_text_config(config), io_dtype, io_dtype, options.execution_provider,
-                str(options.cache_dir), builder_extra_options(options, filename), tree=tree, tensors=tensors,
-            )
-        if builder.attention_attrs["op_type"] != "GroupQueryAttention":
-            raise DecoderBuildError(
-                f"the GenAI builder has no GroupQueryAttention for {options.execution_provider} with "
-                f"{options.io_dtype} I/O; phi4mm needs GQA (shared KV buffer)"
-            )
-        return builder
-
     def build(self, weights: Mapping[str, TensorRef]) -> dict[str, ir.Model]:
+        return self.build_output(weights).graphs
+
+    def build_output(self, weights: Mapping[str, TensorRef]) -> BuildOutput:
+        """The float graph of every variant, made by GenAI builders that share one set of lazy weights, and the
+        runtime settings read from the first of them."""
         config, options = self.config, self.options
         _check_precision(options)
         variants = decoder_variants(config, options)
         tensors = WeightTensors(options.io_dtype)
         rope_caches: dict[str, ir.TensorProtocol] = {}
-        quant_cache = self.quant_cache
-        spec = self.spec_for(config, options)
-        text = config.text
-        models: dict[str, ir.Model] = {}
+        graphs: dict[str, ir.Model] = {}
+        runtime: DecoderRuntimeSettings | None = None
         for variant in variants:
             tree = make_tree(weights, config, variant)
-            builder = self._genai_builder(config, options, variant.filename, tree=tree, tensors=tensors)
+            builder = make_genai_builder(config, options, variant.filename, tree=tree, tensors=tensors)
+            if runtime is None:
+                runtime = _runtime_settings(builder, options, variants)
             with quiet():
                 builder.make_model(str(options.model_dir))
             model = builder.model
             model.graph.sort()
             hoist_rope_caches(model, rope_caches)
             fix_declared_shapes(model)
-            if options.quantize:
-                plan = QuantPlan.for_decoder(options, config.text.num_hidden_layers)
-                quantize_matmuls(model, plan, options.accuracy_level, cache=quant_cache)
-            if variant.self_routing:
-                # After quantizing: the adapters are then main-graph branches, as onnxruntime's quantizer (which
-                # leaves If bodies float for rtn / k_quant) sees the split variants; routing moves the quantized
-                # nodes into the Ifs unchanged.
-                is_vision, is_speech = add_mode_state(model, text.num_hidden_layers, text.num_key_value_heads,
-                                                      text.head_dim)
-                route_lora_branches(model, is_vision, is_speech)
-            builder.stamp_build_metadata(model)
-            check_io(model, spec, variant.filename)
-            models[variant.filename] = model
-        return models
+            graphs[variant.filename] = model
+        return BuildOutput(graphs, self.spec_for(config, options), runtime)
+
+    def quantize(self, model: ir.Model) -> ir.Model:
+        """int4/int8: MatMulNBits with the per-node schemes of the stock builder's choices, through the shared cache,
+        so the variants' base weights are quantized once and the embedding reads the lm_head's very blocks."""
+        options = self.options
+        if not options.quantize:
+            return model
+        plan = QuantPlan.for_decoder(options, self.config.text.num_hidden_layers)
+        return quantize_matmuls(model, plan, options.accuracy_level, cache=self.quant_cache)
+
+    def finish(self, model: ir.Model) -> ir.Model:
+        """The self-routing decoder's mode state and LoRA routing, then the GenAI builder's build metadata.
+
+        Routing comes after quantizing: the adapters are then main-graph branches, as onnxruntime's quantizer (which
+        leaves If bodies float for rtn / k_quant) sees the split variants; routing moves the quantized nodes into the
+        Ifs unchanged."""
+        if decoder_variants(self.config, self.options)[0].self_routing:
+            text = self.config.text
+            is_vision, is_speech = add_mode_state(model, text.num_hidden_layers, text.num_key_value_heads,
+                                                  text.head_dim)
+            route_lora_branches(model, is_vision, is_speech)
+        genai_builder_class().stamp_build_metadata(model)
+        return model
+
+
+def _runtime_settings(builder: Any, options: BuildOptions,
+                      variants: tuple[DecoderVariant, ...]) -> DecoderRuntimeSettings:
+    """What genai_config.json and manifest.json take from this build, read from a GenAI builder set up for it."""
+    ep = options.execution_provider
+    provider_options = () if ep == "cpu" else ({ep: dict(builder.ep_attrs[ep])},)
+    routing, decoders = decoders_by_input_mode(variants)
+    return DecoderRuntimeSettings(bool(builder.past_present_share_buffer), provider_options, routing, decoders)

@@ -16,6 +16,7 @@ import onnx_ir as ir
 from builder_plugin.components.decoder.tree import LazyLinear, LmHead, TextDecoderTree
 from builder_plugin.components.decoder.weights import LoraBranch, WeightTensors
 from builder_plugin.config import Phi4MMConfig
+from builder_plugin.dtypes import onnx_dtype
 from builder_plugin.errors import DecoderBuildError
 from builder_plugin.options import BuildOptions
 
@@ -194,7 +195,24 @@ def quiet() -> Iterator[None]:
 _FIXED_BUILDER_OPTIONS = {"exclude_embeds": True, "prune_lm_head": True}
 
 
-def builder_extra_options(options: BuildOptions, filename: str) -> dict[str, Any]:
+def _builder_extra_options(options: BuildOptions, filename: str) -> dict[str, Any]:
     """The GenAI builder's extra options. Every accepted --extra_options key is a quantization option, which
     `QuantPlan` applies to the float graph the builder makes, so none is passed on (extra_options.EXTRA_OPTIONS)."""
     return {**_FIXED_BUILDER_OPTIONS, "filename": filename}
+
+
+def make_genai_builder(config: Phi4MMConfig, options: BuildOptions, filename: str, tree: TextDecoderTree,
+                       tensors: WeightTensors) -> Any:
+    """The GenAI builder for one decoder file of a build with `options`, walking `tree` with `tensors`."""
+    io_dtype = onnx_dtype(options.io_dtype)
+    with quiet():
+        builder = genai_builder_class()(
+            genai_text_config(config), io_dtype, io_dtype, options.execution_provider,
+            str(options.cache_dir), _builder_extra_options(options, filename), tree=tree, tensors=tensors,
+        )
+    if builder.attention_attrs["op_type"] != "GroupQueryAttention":
+        raise DecoderBuildError(
+            f"the GenAI builder has no GroupQueryAttention for {options.execution_provider} with "
+            f"{options.io_dtype} I/O; phi4mm needs GQA (shared KV buffer)"
+        )
+    return builder

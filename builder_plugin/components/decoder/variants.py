@@ -20,14 +20,15 @@ class DecoderVariant:
     """One decoder graph: which adapters run as LoRA branches, or which one is merged into the base weights."""
 
     filename: str
-    mode: str  # "routed" | "vision" | "speech" | "none" | "vision+speech"
+    lora: str  # the --lora choice this graph is built for: "routed", "vision", "speech", "none" or "vision+speech"
     adapters: tuple[str, ...] = ()
     merged: str | None = None
+    input_mode: str | None = None  # the one input mode it answers (a split build's file), None: every mode
 
     @property
     def self_routing(self) -> bool:
         """One graph for every input mode, choosing its adapter from the placeholder ids (`mode_routing`)."""
-        return self.mode == "routed"
+        return self.lora == "routed"
 
 
 def decoder_variants(config: Phi4MMConfig, options: BuildOptions) -> tuple[DecoderVariant, ...]:
@@ -46,7 +47,8 @@ def decoder_variants(config: Phi4MMConfig, options: BuildOptions) -> tuple[Decod
         return (DecoderVariant(MAIN_DECODER, "routed", adapters=ROUTED_ADAPTERS),)
     if lora == "split":
         _require_adapters(config, ("vision", "speech"))
-        return tuple(DecoderVariant(SPLIT_DECODERS[mode], lora, adapters=() if lora == "none" else (lora,))
+        return tuple(DecoderVariant(SPLIT_DECODERS[mode], lora, adapters=() if lora == "none" else (lora,),
+                                    input_mode=mode)
                      for mode, lora in SPLIT_LORAS.items())
     if lora == "none":
         return (DecoderVariant(MAIN_DECODER, "none"),)
@@ -66,28 +68,10 @@ def _require_adapters(config: Phi4MMConfig, names: tuple[str, ...]) -> None:
         )
 
 
-@dataclass(frozen=True)
-class DecoderRuntimeSettings:
-    """What genai_config.json needs from the builder for the decoder section and the search options."""
-
-    filename: str  # the decoder genai_config.json names
-    variants: dict[str, str]  # input mode -> decoder file ("routed", "vision", "speech", "none", or the mode built)
-    past_present_share_buffer: bool
-    provider_options: tuple[dict[str, dict[str, str]], ...]
-    context_length: int
-    hidden_size: int
-    head_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    num_hidden_layers: int
-    vocab_size: int
-    io_dtype: str
-    attention_op: str
-    has_position_ids: bool
-
-    def decoders_by_mode(self) -> tuple[str, dict[str, str]]:
-        """How the decoder files answer the runtime's input modes: (routing, {mode: file}) for the manifest."""
-        if set(self.variants) == {"vision", "speech", "none"}:
-            return "split", dict(SPLIT_DECODERS)
-        routing = "self" if set(self.variants) == {"routed"} else "fixed"
-        return routing, dict.fromkeys(INPUT_MODES, self.filename)
+def decoders_by_input_mode(variants: tuple[DecoderVariant, ...]) -> tuple[str, dict[str, str]]:
+    """manifest.json's routing and decoder file per input mode: one self-routing decoder for every mode, a split
+    build's file per mode, or one fixed decoder for every mode."""
+    decoders = {mode: next(v.filename for v in variants if v.input_mode in (mode, None)) for mode in INPUT_MODES}
+    if variants[0].self_routing:
+        return "self", decoders
+    return ("split" if any(v.input_mode for v in variants) else "fixed"), decoders

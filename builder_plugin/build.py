@@ -1,14 +1,14 @@
 """The build pipeline: checkpoint folder -> four-model phi4mm package.
 
-config.json is parsed once, the checkpoint is indexed lazily and every tensor routed, then each selected component
-builds its graph(s), which are checked against the component's I/O spec, quantized for int4/int8 and written with shared
-external data into a staging folder that replaces the output only when everything succeeded.
+config.json is parsed once and every option is checked against it before any work; the checkpoint is indexed lazily and
+every tensor routed. Then each selected component runs the same steps (`build_component`): its float graph(s), each
+quantized for int4/int8, finished (the decoder's LoRA routing) and checked against the component's I/O spec, then
+written with shared external data into a staging folder that replaces the output only when everything succeeded.
 """
 
 from __future__ import annotations
 
 import importlib
-import json
 import resource
 import shutil
 import sys
@@ -16,6 +16,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from builder_plugin.checkpoint.reader import CheckpointReader, TensorRef
 from builder_plugin.checkpoint.routing import route_weights
@@ -23,7 +24,7 @@ from builder_plugin.components.base import BUILDERS, BuildOutput, ComponentBuild
 from builder_plugin.config import Phi4MMConfig, read_json
 from builder_plugin.errors import BuildError, InputError
 from builder_plugin.layout import DATA_FILES, GRAPH_FILES
-from builder_plugin.options import BuildOptions
+from builder_plugin.options import LORA_ADAPTERS, BuildOptions
 from builder_plugin.package import OutputFolder, PackageWriter
 from builder_plugin.quantize import QuantizationCache
 from builder_plugin.runtime.manifest import Manifest
@@ -73,16 +74,47 @@ def builder_class(component: Component) -> type[ComponentBuilder]:
 
 
 def validate_options(options: BuildOptions, config: Phi4MMConfig) -> None:
-    options.extra  # noqa: B018  - parses every --extra_options key, raising InputError on a bad one
+    """Every check of the options, against each other and against the checkpoint's config, made before any work:
+    each refusal is one InputError line. (The decoder keeps defensive checks of its own, never reached from here.)"""
+    options.extra  # noqa: B018  - parses every --extra_options key (block_size too), raising InputError on a bad one
+    if options.lora not in LORA_ADAPTERS:
+        raise InputError(f"unknown --lora choice {options.lora!r}; choose from {', '.join(LORA_ADAPTERS)}")
     if options.precision == "fp16" and options.execution_provider == "cpu":
         raise InputError("fp16 builds are for -e cuda, dml or webgpu; on cpu use -p fp32, int4 or int8")
-    wanted = {"vision": ["vision"], "speech": ["speech"], "vision+speech": ["vision", "speech"],
-              "routed": ["vision", "speech"], "split": ["vision", "speech"], "none": []}[options.lora]
-    missing = [name for name in wanted if name not in config.loras]
+    missing = [name for name in LORA_ADAPTERS[options.lora] if name not in config.loras]
     if missing and Component.DECODER in options.components:
         raise InputError(f"--lora {options.lora} needs the {' and '.join(missing)} LoRA, which this checkpoint lacks")
     if options.merge_lora and options.lora not in ("vision", "speech"):
         raise InputError("--merge-lora folds one adapter into the base weights: use it with --lora vision or speech")
+    if options.max_length is not None:
+        context = config.text.max_position_embeddings
+        if options.max_length <= 0:
+            raise InputError("--max-length must be positive")
+        if options.max_length > context:
+            raise InputError(f"--max-length {options.max_length} exceeds the model's context length {context}")
+
+
+@dataclass(frozen=True)
+class RuntimeConfigInputs:
+    """What the runtime configs take from the checkpoint folder besides config.json, read before any graph."""
+
+    generation: dict[str, Any]  # generation_config.json (sampling defaults), or empty
+    dynamic_hd: int  # preprocessor_config.json: the most crops of one image
+
+    @classmethod
+    def read(cls, model_dir: Path) -> RuntimeConfigInputs:
+        generation: dict[str, Any] = {}
+        if (model_dir / "generation_config.json").is_file():
+            generation = read_json(model_dir / "generation_config.json", what="generation config")
+        preprocessor: dict[str, Any] = {}
+        path = model_dir / "preprocessor_config.json"
+        if path.is_file():
+            preprocessor = read_json(path, what="preprocessor config")
+        dynamic_hd = preprocessor.get("dynamic_hd", DEFAULT_DYNAMIC_HD)
+        try:
+            return cls(generation, int(dynamic_hd))
+        except (TypeError, ValueError):
+            raise InputError(f"preprocessor config {path}: dynamic_hd must be an integer, got {dynamic_hd!r}") from None
 
 
 def check_tokenizer(model_dir: Path) -> None:
@@ -116,8 +148,10 @@ def build(options: BuildOptions, progress: bool = True) -> BuildResult:
     config = Phi4MMConfig.from_dir(options.model_dir)
     validate_options(options, config)
     check_tokenizer(options.model_dir)
-    weights = route_weights(CheckpointReader(options.model_dir, config.source_format), config)
     components = [c for c in BUILD_ORDER if c in options.components]
+    runnable = set(components) >= RUNNABLE_MINIMUM
+    runtime_inputs = RuntimeConfigInputs.read(options.model_dir) if runnable else None
+    weights = route_weights(CheckpointReader(options.model_dir, config.source_format), config)
     classes = {c: builder_class(c) for c in components}
 
     folder = OutputFolder(options.output_dir, options.overwrite)
@@ -138,9 +172,8 @@ def build(options: BuildOptions, progress: bool = True) -> BuildResult:
             specs[component] = output.spec
             filenames[component] = GRAPH_FILES[component]
             runtime = output.runtime or runtime
-        runnable = set(components) >= RUNNABLE_MINIMUM
         if runnable:
-            _write_runtime_configs(staging, config, options, specs, filenames, runtime)
+            _write_runtime_configs(staging, config, options, specs, filenames, runtime, runtime_inputs)
         for name in TOKENIZER_FILES:
             if (options.model_dir / name).is_file():
                 shutil.copy(options.model_dir / name, staging / name)
@@ -158,19 +191,12 @@ def build(options: BuildOptions, progress: bool = True) -> BuildResult:
 
 def _write_runtime_configs(folder: Path, config: Phi4MMConfig, options: BuildOptions,
                            specs: dict[Component, IOSpec], filenames: dict[Component, str],
-                           runtime: DecoderRuntimeSettings) -> None:
-    generation = {}
-    if (options.model_dir / "generation_config.json").is_file():
-        generation = read_json(options.model_dir / "generation_config.json", what="generation config")
+                           runtime: DecoderRuntimeSettings, inputs: RuntimeConfigInputs) -> None:
     genai = make_genai_config(config, specs, filenames, options.execution_provider, options.max_length,
-                              share_kv_buffer=runtime.past_present_share_buffer, generation=generation,
+                              share_kv_buffer=runtime.past_present_share_buffer, generation=inputs.generation,
                               provider_options=list(runtime.provider_options))
     write_json(folder / GENAI_CONFIG_FILE, genai)
     Manifest(runtime.decoders, runtime.routing, config.text.original_max_position_embeddings).write(folder)
-    preprocessor = {}
-    if (options.model_dir / "preprocessor_config.json").is_file():
-        preprocessor = json.loads((options.model_dir / "preprocessor_config.json").read_text(encoding="utf-8"))
-    dynamic_hd = int(preprocessor.get("dynamic_hd", DEFAULT_DYNAMIC_HD))
-    write_json(folder / VISION_PROCESSOR_FILE, vision_processor_config(config.vision.crop_size, dynamic_hd))
+    write_json(folder / VISION_PROCESSOR_FILE, vision_processor_config(config.vision.crop_size, inputs.dynamic_hd))
     if Component.SPEECH in specs:
         write_json(folder / SPEECH_PROCESSOR_FILE, speech_processor_config(config.audio.compression_rate))

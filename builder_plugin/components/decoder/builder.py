@@ -77,6 +77,7 @@ class DecoderBuilder(ComponentBuilder):
         return cls.io_spec(config, options.io_dtype, options.execution_provider, self_routing=self_routing)
 
     def build(self, weights: Mapping[str, TensorRef]) -> dict[str, ir.Model]:
+        """The float graphs (quantization and LoRA routing are the `quantize` and `finish` steps)."""
         return self.build_output(weights).graphs
 
     def build_output(self, weights: Mapping[str, TensorRef]) -> BuildOutput:
@@ -92,7 +93,7 @@ class DecoderBuilder(ComponentBuilder):
         for variant in variants:
             tree = make_tree(weights, config, variant)
             builder = make_genai_builder(config, options, variant.filename, tree=tree, tensors=tensors)
-            if runtime is None:
+            if runtime is None:  # as the builder is set up, before it makes a graph
                 runtime = _runtime_settings(builder, options, variants)
             with quiet():
                 builder.make_model(str(options.model_dir))

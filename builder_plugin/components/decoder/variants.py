@@ -47,9 +47,9 @@ def decoder_variants(config: Phi4MMConfig, options: BuildOptions) -> tuple[Decod
         return (DecoderVariant(MAIN_DECODER, "routed", adapters=ROUTED_ADAPTERS),)
     if lora == "split":
         _require_adapters(config, ("vision", "speech"))
-        return tuple(DecoderVariant(SPLIT_DECODERS[mode], lora, adapters=() if lora == "none" else (lora,),
+        return tuple(DecoderVariant(SPLIT_DECODERS[mode], adapter, adapters=() if adapter == "none" else (adapter,),
                                     input_mode=mode)
-                     for mode, lora in SPLIT_LORAS.items())
+                     for mode, adapter in SPLIT_LORAS.items())
     if lora == "none":
         return (DecoderVariant(MAIN_DECODER, "none"),)
     adapters = tuple(lora.split("+"))

@@ -39,6 +39,8 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from common import current_rss_bytes, peak_rss_bytes, rss_split  # noqa: E402
 
+from builder_plugin.layout import DATA_FILES, MAIN_DECODER, Component  # noqa: E402
+
 RESULTS = REPO / "benchmarks" / "results" / "decoder_build.json"
 DEFAULT_WORK = Path(tempfile.gettempdir()) / "bench_decoder"
 MODES = ("ours", "ours-routed", "stock")
@@ -71,7 +73,7 @@ def _build_result(out: Path, start: float, imported: float, graphs: float, saved
         "peak_rss_bytes": peak_rss_bytes(),
         "rss_at_end": rss_split(),
         "files": _files(out),
-        "ops": _op_counts(out / "phi-4-mm-text.onnx"),
+        "ops": _op_counts(out / MAIN_DECODER),
     }
 
 
@@ -81,13 +83,13 @@ def _build_result(out: Path, start: float, imported: float, graphs: float, saved
 
 def worker_ours(checkpoint: Path, out: Path, lora: str) -> dict[str, Any]:
     start = time.perf_counter()
+    from builder_plugin.build import build_component
     from builder_plugin.checkpoint.reader import CheckpointReader
     from builder_plugin.checkpoint.routing import route_weights
     from builder_plugin.components.decoder import DecoderBuilder, genai_builder_class
     from builder_plugin.config import Phi4MMConfig
     from builder_plugin.options import BuildOptions
-    from builder_plugin.package import DATA_FILES, PackageWriter
-    from builder_plugin.spec import Component
+    from builder_plugin.package import PackageWriter
 
     genai_builder_class()
     imported = time.perf_counter()
@@ -96,7 +98,7 @@ def worker_ours(checkpoint: Path, out: Path, lora: str) -> dict[str, Any]:
     config = Phi4MMConfig.from_dir(checkpoint)
     weights = route_weights(CheckpointReader(checkpoint, config.source_format), config)[Component.DECODER]
     options = BuildOptions(model_dir=checkpoint, output_dir=out, precision="int4", execution_provider="cpu", lora=lora)
-    models = DecoderBuilder(config, options).build(weights)
+    models = build_component(DecoderBuilder(config, options), weights).graphs
     graphs = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     writer = PackageWriter(out, progress=False)
@@ -195,7 +197,6 @@ def worker_stock(checkpoint: Path, out: Path) -> dict[str, Any]:
     from builder_plugin.checkpoint.routing import route_weights
     from builder_plugin.components.decoder import genai_text_config
     from builder_plugin.config import Phi4MMConfig
-    from builder_plugin.spec import Component
 
     imported = time.perf_counter()
     rss_imported = current_rss_bytes()
@@ -208,7 +209,7 @@ def worker_stock(checkpoint: Path, out: Path) -> dict[str, Any]:
 
     out.mkdir(parents=True, exist_ok=True)
     builder = StockPhi4MM(genai_text_config(config), ir.DataType.FLOAT, ir.DataType.INT4, "cpu",
-                          str(out / "cache"), {"exclude_embeds": True, "filename": "phi-4-mm-text.onnx"})
+                          str(out / "cache"), {"exclude_embeds": True, "filename": MAIN_DECODER})
     builder.make_model(str(checkpoint))
     graphs = time.perf_counter()
     builder.save_model(str(out))
@@ -365,7 +366,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"running: {mode} ...", flush=True)
                     samples.setdefault(mode, []).append(_spawn(
                         ["--worker", "run", "--checkpoint", str(checkpoint), "--out",
-                         str(args.work / f"out-{mode}" / "phi-4-mm-text.onnx")]))
+                         str(args.work / f"out-{mode}" / MAIN_DECODER)]))
         results["latency"] = {}
         for mode, runs in samples.items():
             runs.sort(key=lambda r: r["decode_ms_per_token"])

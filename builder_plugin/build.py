@@ -1,28 +1,31 @@
 """The build pipeline: checkpoint folder -> four-model phi4mm package.
 
-config.json is parsed once, the checkpoint is indexed lazily and every tensor routed, then each selected component
-builds its graph(s), which are checked against the component's I/O spec, quantized for int4/int8 and written with shared
-external data into a staging folder that replaces the output only when everything succeeded.
+config.json is parsed once and every option is checked against it before any work; the checkpoint is indexed lazily and
+every tensor routed. Then each selected component runs the same steps (`build_component`): its float graph(s), each
+quantized for int4/int8, finished (the decoder's LoRA routing) and checked against the component's I/O spec, then
+written with shared external data into a staging folder that replaces the output only when everything succeeded.
 """
 
 from __future__ import annotations
 
 import importlib
-import json
 import resource
 import shutil
 import sys
 import time
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
-from builder_plugin.checkpoint.reader import CheckpointReader
+from builder_plugin.checkpoint.reader import CheckpointReader, TensorRef
 from builder_plugin.checkpoint.routing import route_weights
-from builder_plugin.components.base import BUILDERS, ComponentBuilder
+from builder_plugin.components.base import BUILDERS, BuildOutput, ComponentBuilder, DecoderRuntimeSettings
 from builder_plugin.config import Phi4MMConfig, read_json
 from builder_plugin.errors import BuildError, InputError
-from builder_plugin.options import BuildOptions
-from builder_plugin.package import DATA_FILES, FILENAMES, OutputFolder, PackageWriter
+from builder_plugin.layout import DATA_FILES, GRAPH_FILES
+from builder_plugin.options import LORA_ADAPTERS, BuildOptions
+from builder_plugin.package import OutputFolder, PackageWriter
 from builder_plugin.quantize import QuantizationCache
 from builder_plugin.runtime.manifest import Manifest
 from builder_plugin.spec import Component, IOSpec, check_io
@@ -71,16 +74,47 @@ def builder_class(component: Component) -> type[ComponentBuilder]:
 
 
 def validate_options(options: BuildOptions, config: Phi4MMConfig) -> None:
-    options.extra  # noqa: B018  - parses every --extra_options key, raising InputError on a bad one
+    """Every check of the options, against each other and against the checkpoint's config, made before any work:
+    each refusal is one InputError line. (The decoder keeps defensive checks of its own, never reached from here.)"""
+    options.extra  # noqa: B018  - parses every --extra_options key (block_size too), raising InputError on a bad one
+    if options.lora not in LORA_ADAPTERS:
+        raise InputError(f"unknown --lora choice {options.lora!r}; choose from {', '.join(LORA_ADAPTERS)}")
     if options.precision == "fp16" and options.execution_provider == "cpu":
         raise InputError("fp16 builds are for -e cuda, dml or webgpu; on cpu use -p fp32, int4 or int8")
-    wanted = {"vision": ["vision"], "speech": ["speech"], "vision+speech": ["vision", "speech"],
-              "routed": ["vision", "speech"], "split": ["vision", "speech"], "none": []}[options.lora]
-    missing = [name for name in wanted if name not in config.loras]
+    missing = [name for name in LORA_ADAPTERS[options.lora] if name not in config.loras]
     if missing and Component.DECODER in options.components:
         raise InputError(f"--lora {options.lora} needs the {' and '.join(missing)} LoRA, which this checkpoint lacks")
     if options.merge_lora and options.lora not in ("vision", "speech"):
         raise InputError("--merge-lora folds one adapter into the base weights: use it with --lora vision or speech")
+    if options.max_length is not None:
+        context = config.text.max_position_embeddings
+        if options.max_length <= 0:
+            raise InputError("--max-length must be positive")
+        if options.max_length > context:
+            raise InputError(f"--max-length {options.max_length} exceeds the model's context length {context}")
+
+
+@dataclass(frozen=True)
+class RuntimeConfigInputs:
+    """What the runtime configs take from the checkpoint folder besides config.json, read before any graph."""
+
+    generation: dict[str, Any]  # generation_config.json (sampling defaults), or empty
+    dynamic_hd: int  # preprocessor_config.json: the most crops of one image
+
+    @classmethod
+    def read(cls, model_dir: Path) -> RuntimeConfigInputs:
+        generation: dict[str, Any] = {}
+        if (model_dir / "generation_config.json").is_file():
+            generation = read_json(model_dir / "generation_config.json", what="generation config")
+        preprocessor: dict[str, Any] = {}
+        path = model_dir / "preprocessor_config.json"
+        if path.is_file():
+            preprocessor = read_json(path, what="preprocessor config")
+        dynamic_hd = preprocessor.get("dynamic_hd", DEFAULT_DYNAMIC_HD)
+        try:
+            return cls(generation, int(dynamic_hd))
+        except (TypeError, ValueError):
+            raise InputError(f"preprocessor config {path}: dynamic_hd must be an integer, got {dynamic_hd!r}") from None
 
 
 def check_tokenizer(model_dir: Path) -> None:
@@ -97,13 +131,27 @@ def check_tokenizer(model_dir: Path) -> None:
         read_json(model_dir / "tokenizer_config.json", what="tokenizer config")
 
 
+def build_component(builder: ComponentBuilder, weights: Mapping[str, TensorRef]) -> BuildOutput:
+    """One component's graphs as the package stores them, by the same steps for every component: the float graphs,
+    then each one quantized (int4/int8) and finished, and checked against the component's I/O spec."""
+    output = builder.build_output(weights)
+    graphs = {}
+    for filename, model in output.graphs.items():
+        model = builder.finish(builder.quantize(model))
+        check_io(model, output.spec, filename)
+        graphs[filename] = model
+    return replace(output, graphs=graphs)
+
+
 def build(options: BuildOptions, progress: bool = True) -> BuildResult:
     start = time.perf_counter()
     config = Phi4MMConfig.from_dir(options.model_dir)
     validate_options(options, config)
     check_tokenizer(options.model_dir)
-    weights = route_weights(CheckpointReader(options.model_dir, config.source_format), config)
     components = [c for c in BUILD_ORDER if c in options.components]
+    runnable = set(components) >= RUNNABLE_MINIMUM
+    runtime_inputs = RuntimeConfigInputs.read(options.model_dir) if runnable else None
+    weights = route_weights(CheckpointReader(options.model_dir, config.source_format), config)
     classes = {c: builder_class(c) for c in components}
 
     folder = OutputFolder(options.output_dir, options.overwrite)
@@ -111,27 +159,21 @@ def build(options: BuildOptions, progress: bool = True) -> BuildResult:
         writer = PackageWriter(staging, progress=progress)
         specs: dict[Component, IOSpec] = {}
         filenames: dict[Component, str] = {}
+        runtime: DecoderRuntimeSettings | None = None
         quant_cache = QuantizationCache()
         for step, component in enumerate(components, 1):
             if progress:
                 print(f"[{step}/{len(components)}] {component.value}: building the graph", file=sys.stderr, flush=True)
             builder = classes[component](config, options)
             builder.quant_cache = quant_cache
-            spec = builder.spec_for(config, options)
-            models = builder.build(weights[component])
-            for filename, model in models.items():
-                check_io(model, spec, filename)
-                if _quantized(component, options):
-                    from builder_plugin.quant_plan import QuantPlan
-                    from builder_plugin.quantize import quantize_matmuls
-
-                    model = quantize_matmuls(model, QuantPlan.for_encoders(options), options.accuracy_level)
+            output = build_component(builder, weights[component])
+            for filename, model in output.graphs.items():
                 writer.save(model, filename, DATA_FILES[component])
-            specs[component] = spec
-            filenames[component] = FILENAMES[component]
-        runnable = set(components) >= RUNNABLE_MINIMUM
+            specs[component] = output.spec
+            filenames[component] = GRAPH_FILES[component]
+            runtime = output.runtime or runtime
         if runnable:
-            _write_runtime_configs(staging, config, options, specs, filenames)
+            _write_runtime_configs(staging, config, options, specs, filenames, runtime, runtime_inputs)
         for name in TOKENIZER_FILES:
             if (options.model_dir / name).is_file():
                 shutil.copy(options.model_dir / name, staging / name)
@@ -147,30 +189,14 @@ def build(options: BuildOptions, progress: bool = True) -> BuildResult:
     )
 
 
-def _quantized(component: Component, options: BuildOptions) -> bool:
-    if not options.quantize:
-        return False
-    # The decoder and embedding quantize themselves (the decoder variants share one quantized copy of the base
-    # weights; the embedding reads the lm_head's quantized table).
-    return component in (Component.VISION, Component.SPEECH) and options.quantize_encoders
-
-
 def _write_runtime_configs(folder: Path, config: Phi4MMConfig, options: BuildOptions,
-                           specs: dict[Component, IOSpec], filenames: dict[Component, str]) -> None:
-    generation = {}
-    if (options.model_dir / "generation_config.json").is_file():
-        generation = read_json(options.model_dir / "generation_config.json", what="generation config")
-    settings = builder_class(Component.DECODER).runtime_settings(config, options)
+                           specs: dict[Component, IOSpec], filenames: dict[Component, str],
+                           runtime: DecoderRuntimeSettings, inputs: RuntimeConfigInputs) -> None:
     genai = make_genai_config(config, specs, filenames, options.execution_provider, options.max_length,
-                              share_kv_buffer=settings.past_present_share_buffer, generation=generation,
-                              provider_options=list(settings.provider_options))
+                              share_kv_buffer=runtime.past_present_share_buffer, generation=inputs.generation,
+                              provider_options=list(runtime.provider_options))
     write_json(folder / GENAI_CONFIG_FILE, genai)
-    routing, decoders = settings.decoders_by_mode()
-    Manifest(decoders, routing, config.text.original_max_position_embeddings).write(folder)
-    preprocessor = {}
-    if (options.model_dir / "preprocessor_config.json").is_file():
-        preprocessor = json.loads((options.model_dir / "preprocessor_config.json").read_text(encoding="utf-8"))
-    dynamic_hd = int(preprocessor.get("dynamic_hd", DEFAULT_DYNAMIC_HD))
-    write_json(folder / VISION_PROCESSOR_FILE, vision_processor_config(config.vision.crop_size, dynamic_hd))
+    Manifest(runtime.decoders, runtime.routing, config.text.original_max_position_embeddings).write(folder)
+    write_json(folder / VISION_PROCESSOR_FILE, vision_processor_config(config.vision.crop_size, inputs.dynamic_hd))
     if Component.SPEECH in specs:
         write_json(folder / SPEECH_PROCESSOR_FILE, speech_processor_config(config.audio.compression_rate))

@@ -152,8 +152,6 @@ def _run(args: argparse.Namespace) -> int:
 
         print(describe_routes(Phi4MMConfig.from_dir(model_dir)))
         return 0
-    if args.max_length is not None and args.max_length <= 0:
-        raise InputError("--max-length must be positive")
     output = Path(args.output) if args.output else default_output(
         model_dir, args.model_name if not args.input else None, args.precision, args.execution_provider)
     options = BuildOptions(

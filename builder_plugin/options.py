@@ -15,7 +15,16 @@ LoraChoice = Literal["routed", "split", "vision", "speech", "none", "vision+spee
 
 PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "int4", "int8")
 EXECUTION_PROVIDERS: tuple[str, ...] = ("cpu", "cuda", "dml", "webgpu")
-LORA_CHOICES: tuple[str, ...] = ("routed", "split", "vision", "speech", "none", "vision+speech")
+# The LoRA adapters each --lora choice puts into the decoder(s).
+LORA_ADAPTERS: dict[str, tuple[str, ...]] = {
+    "routed": ("vision", "speech"),
+    "split": ("vision", "speech"),
+    "vision": ("vision",),
+    "speech": ("speech",),
+    "none": (),
+    "vision+speech": ("vision", "speech"),
+}
+LORA_CHOICES: tuple[str, ...] = tuple(LORA_ADAPTERS)
 ALL_COMPONENTS: frozenset[Component] = frozenset(Component)
 
 

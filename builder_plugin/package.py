@@ -1,4 +1,4 @@
-"""Writing a package: file names, shared external data, and the all-or-nothing output folder.
+"""Writing a package: shared external data and the all-or-nothing output folder (file names: `builder_plugin.layout`).
 
 Every graph's initializers go to an external data file, one tensor at a time (lazy tensors are computed, written and
 released), and a tensor whose bytes are already in that file is not written again — so the decoder variants, which
@@ -18,22 +18,6 @@ import onnx_ir as ir
 from tqdm import tqdm
 
 from builder_plugin.errors import OutputError
-from builder_plugin.spec import Component
-
-FILENAMES: dict[Component, str] = {
-    Component.VISION: "phi-4-mm-vision.onnx",
-    Component.SPEECH: "phi-4-mm-speech.onnx",
-    Component.EMBEDDING: "phi-4-mm-embedding.onnx",
-    Component.DECODER: "phi-4-mm-text.onnx",
-}
-
-# The embedding and every decoder variant share one data file, so tensors they have in common are stored once.
-DATA_FILES: dict[Component, str] = {
-    Component.VISION: "phi-4-mm-vision.onnx.data",
-    Component.SPEECH: "phi-4-mm-speech.onnx.data",
-    Component.EMBEDDING: "phi-4-mm-text.onnx.data",
-    Component.DECODER: "phi-4-mm-text.onnx.data",
-}
 
 INLINE_LIMIT_BYTES = 1024  # smaller initializers (shape constants, scalars) stay inside the .onnx file
 _ALIGNMENT = 64

@@ -6,24 +6,13 @@ and the tests feed graphs by them.
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 import onnx_ir as ir
 
 from builder_plugin.dtypes import onnx_dtype
 from builder_plugin.errors import SpecMismatchError
-
-
-class Component(str, enum.Enum):
-    VISION = "vision"
-    SPEECH = "speech"
-    EMBEDDING = "embedding"
-    DECODER = "decoder"
-
-    def __str__(self) -> str:
-        return self.value
-
+from builder_plugin.layout import Component  # noqa: F401  - re-exported: specs are declared per component
 
 Dim = int | str
 

@@ -133,7 +133,7 @@ class _FailingBuilder:
     def io_spec(cls, config, io_dtype) -> IOSpec:
         return IOSpec(inputs=(), outputs=())
 
-    def build(self, weights):
+    def build_output(self, weights):
         raise self.error
 
 
@@ -218,3 +218,58 @@ def test_every_accepted_extra_option_is_in_the_help() -> None:
     text = " ".join(cli.make_parser().format_help().split())
     for name in [*EXTRA_OPTIONS, *ALGO_CONFIGS]:
         assert name in text, name
+
+
+def _no_work(monkeypatch) -> None:
+    """Fail the test if the build gets as far as routing weights or asking for a graph builder."""
+    def refuse(*args, **kwargs):
+        pytest.fail("an option check came after the build started")
+
+    monkeypatch.setattr("builder_plugin.build.route_weights", refuse)
+    monkeypatch.setattr("builder_plugin.build.builder_class", refuse)
+
+
+@pytest.mark.parametrize(("args", "needles"), [
+    (["--max-length", "0"], ["--max-length must be positive"]),
+    (["--max-length", "1000000000"], ["--max-length 1000000000", "context length"]),
+    (["--extra_options", "block_size=512"], ["block_size=512", "16, 32, 64, 128, 256"]),
+    (["-p", "fp16"], ["fp16", "cuda"]),
+    (["--lora", "routed", "--merge-lora"], ["--merge-lora", "--lora vision or speech"]),
+])
+def test_bad_option_is_refused_before_any_work(tmp_path: Path, tiny_checkpoint: Path, monkeypatch, args,
+                                               needles) -> None:
+    _no_work(monkeypatch)
+    out = tmp_path / "out"
+    assert_one_line_error(run_cli("-i", str(tiny_checkpoint), "-o", str(out), "--no-progress", *args), *needles)
+    assert not out.exists() and not partial_folders(tmp_path)
+
+
+@pytest.mark.parametrize(("name", "content", "needles"), [
+    ("preprocessor_config.json", "{not json", ["preprocessor config", "preprocessor_config.json"]),
+    ("preprocessor_config.json", '{"dynamic_hd": "many"}', ["dynamic_hd", "integer"]),
+    ("generation_config.json", "[1, 2]", ["generation config", "not a JSON object"]),
+])
+def test_unreadable_runtime_config_input_is_refused_before_any_work(tmp_path: Path, tiny_checkpoint: Path,
+                                                                    monkeypatch, name, content, needles) -> None:
+    ckpt = copy_checkpoint(tiny_checkpoint, tmp_path / "ckpt")
+    (ckpt / name).write_text(content)
+    _no_work(monkeypatch)
+    out = tmp_path / "out"
+    assert_one_line_error(run_cli("-i", str(ckpt), "-o", str(out), "--no-progress"), *needles)
+    assert not out.exists() and not partial_folders(tmp_path)
+
+
+def test_missing_adapter_is_refused_before_any_work(tiny_checkpoint: Path, tiny_config) -> None:
+    import dataclasses
+
+    from builder_plugin.build import validate_options
+    from builder_plugin.errors import InputError
+    from builder_plugin.options import BuildOptions
+
+    config = dataclasses.replace(tiny_config, loras={})
+    for lora, needle in (("routed", "needs the vision and speech LoRA"), ("speech", "needs the speech LoRA")):
+        with pytest.raises(InputError, match=needle):
+            validate_options(BuildOptions(model_dir=tiny_checkpoint, output_dir=Path("unused"), lora=lora), config)
+    validate_options(BuildOptions(model_dir=tiny_checkpoint, output_dir=Path("unused"), lora="none"), config)
+    with pytest.raises(InputError, match="unknown --lora choice"):
+        validate_options(BuildOptions(model_dir=tiny_checkpoint, output_dir=Path("unused"), lora="all"), tiny_config)

@@ -13,8 +13,8 @@ from builder_plugin.components.decoder import DecoderBuilder
 from builder_plugin.components.embedding import INPUTS_EMBEDS, TRANSPOSED_TOKEN_TABLE, EmbeddingBuilder
 from builder_plugin.components.speech import AUDIO_FEATURES, SpeechBuilder
 from builder_plugin.components.vision import IMAGE_FEATURES, VisionBuilder
+from builder_plugin.layout import GRAPH_FILES
 from builder_plugin.options import BuildOptions
-from builder_plugin.package import FILENAMES
 from builder_plugin.quant_plan import LM_HEAD_NODE, LM_HEAD_WEIGHT
 from builder_plugin.spec import Component, TensorSpec
 
@@ -65,7 +65,7 @@ def _graph_io(path: Path) -> dict[tuple[str, str], tuple[int, tuple]]:
 def test_written_graphs_hand_over_what_the_next_one_reads(tiny_package):
     """The same handovers in the package's .onnx files: each name, element type and shape as the consumer declares
     it (every decoder file of the package)."""
-    graphs = {c: [_graph_io(tiny_package / FILENAMES[c])] for c in (Component.VISION, Component.SPEECH,
+    graphs = {c: [_graph_io(tiny_package / GRAPH_FILES[c])] for c in (Component.VISION, Component.SPEECH,
                                                                       Component.EMBEDDING)}
     graphs[Component.DECODER] = [_graph_io(p) for p in sorted(tiny_package.glob("phi-4-mm-text*.onnx"))]
     assert graphs[Component.DECODER]
@@ -99,7 +99,7 @@ def test_token_table_is_shared_by_name(layout, request):
     """The embedding reads the decoder's own lm_head initializer: same name, same bytes in the data file; the name is
     the weight the decoder's lm_head MatMul multiplies by."""
     package = request.getfixturevalue({"routed": "tiny_package", "split": "tiny_split_package"}[layout])
-    embedding = _initializer_locations(package / FILENAMES[Component.EMBEDDING])
+    embedding = _initializer_locations(package / GRAPH_FILES[Component.EMBEDDING])
     for decoder in sorted(package.glob("phi-4-mm-text*.onnx")):
         weights = _initializer_locations(decoder)
         assert LM_HEAD_WEIGHT in weights, decoder.name

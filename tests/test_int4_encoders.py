@@ -11,8 +11,8 @@ import onnxruntime as ort
 import pytest
 
 from builder_plugin.build import build
+from builder_plugin.layout import GRAPH_FILES
 from builder_plugin.options import BuildOptions
-from builder_plugin.package import FILENAMES
 from builder_plugin.spec import Component
 from builder_plugin.testing.processor import processor_inputs
 
@@ -26,7 +26,7 @@ def _build(checkpoint: Path, out: Path, component: Component, precision: str, fl
     build(BuildOptions(model_dir=checkpoint, output_dir=out, precision=precision, execution_provider="cpu",
                        components=frozenset({component}), quantize_encoders=not float_encoders,
                        extra_options=extra or {}), progress=False)
-    return out / FILENAMES[component]
+    return out / GRAPH_FILES[component]
 
 
 def _run(path: Path, inputs: dict[str, np.ndarray]) -> np.ndarray:

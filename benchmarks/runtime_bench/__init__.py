@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from builder_plugin.layout import SPLIT_DECODERS
+
 ROOT = Path(__file__).resolve().parents[2]
 # The CLI is also the entry point of the build and measurement subprocesses (--build-worker, --worker).
 SCRIPT = ROOT / "benchmarks" / "bench_runtime.py"
@@ -14,9 +16,5 @@ REAL_TEXT_LAYERS = 32
 BACKENDS = ("ort-fp32", "ort-int4", "torch-fp32")
 PROMPT_NAMES = ("text", "image-1crop", "image-4crops", "audio-10s")
 PRECISIONS = ("fp32", "int4")
-# Decoder files of a split package (builder_plugin.runtime.manifest.SPLIT_DECODERS) by input mode.
-VARIANT_FILES = {
-    "text": "phi-4-mm-text-base.onnx",
-    "vision": "phi-4-mm-text.onnx",
-    "speech": "phi-4-mm-text-speech.onnx",
-}
+# Decoder files of a split package by input mode.
+VARIANT_FILES = SPLIT_DECODERS

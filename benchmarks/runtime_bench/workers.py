@@ -15,6 +15,7 @@ from typing import Any
 
 from common import cpu_session, peak_rss_bytes, reset_peak_rss, summarize, time_in_turn, write_json
 
+from builder_plugin.layout import GRAPH_FILES, Component
 from runtime_bench import SCRIPT
 from runtime_bench.prepare import Prompt
 
@@ -160,7 +161,7 @@ def _encoder_ab(case: dict[str, Any], inputs: dict[str, Any], torch_features: An
     case["repeats"] rounds."""
     import numpy as np
 
-    filename = "phi-4-mm-vision.onnx" if case["images"] else "phi-4-mm-speech.onnx"
+    filename = GRAPH_FILES[Component.VISION if case["images"] else Component.SPEECH]
     runners = {}
     for engine, package in case["encoder_packages"].items():
         session = cpu_session(Path(package) / filename, threads)

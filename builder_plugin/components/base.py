@@ -1,9 +1,15 @@
-"""The component-builder contract: each graph of the package is built by one subclass, which owns its I/O spec."""
+"""The component-builder contract: each graph of the package is built by one subclass, which owns its I/O spec.
+
+The build runs the same steps for every component (`builder_plugin.build.build_component`): `build_output` makes the
+float graphs, `quantize` rewrites each one for int4/int8, `finish` completes it, and the result is checked against the
+spec before it is written.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import ClassVar
 
 import onnx_ir as ir
@@ -11,10 +17,28 @@ import onnx_ir as ir
 from builder_plugin.checkpoint.reader import TensorRef
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.options import BuildOptions
-from builder_plugin.quantize import QuantizationCache
+from builder_plugin.quant_plan import QuantPlan
+from builder_plugin.quantize import QuantizationCache, quantize_matmuls
 from builder_plugin.spec import Component, IOSpec
 
 BUILDERS: dict[Component, type[ComponentBuilder]] = {}
+
+
+@dataclass(frozen=True)
+class DecoderRuntimeSettings:
+    """What genai_config.json and manifest.json take from the decoder build."""
+
+    past_present_share_buffer: bool  # read from the GenAI builder that made the decoder
+    provider_options: tuple[dict[str, dict[str, str]], ...]  # likewise: its session options for the provider
+    routing: str  # manifest.json: "self" (one self-routing decoder), "split" (a file per input mode) or "fixed"
+    decoders: dict[str, str]  # input mode -> decoder file, in layout.INPUT_MODES order
+
+
+@dataclass(frozen=True)
+class BuildOutput:
+    graphs: dict[str, ir.Model]  # file name -> graph, in the order they are written
+    spec: IOSpec  # the I/O of every graph once finished
+    runtime: DecoderRuntimeSettings | None = None  # the decoder's; None for the other components
 
 
 class ComponentBuilder(ABC):
@@ -45,4 +69,22 @@ class ComponentBuilder(ABC):
 
     @abstractmethod
     def build(self, weights: Mapping[str, TensorRef]) -> dict[str, ir.Model]:
-        """Build the graph(s) from the routed weights (local name -> tensor); returns file name -> model."""
+        """Build the float graph(s) from the routed weights (local name -> tensor); returns file name -> model."""
+
+    def build_output(self, weights: Mapping[str, TensorRef]) -> BuildOutput:
+        """The float graphs, the spec they meet once finished, and what the runtime configs need from the build."""
+        return BuildOutput(self.build(weights), self.spec_for(self.config, self.options))
+
+    def quantize(self, model: ir.Model) -> ir.Model:
+        """int4/int8 (unless --float-encoders): every MatMul with a constant weight becomes MatMulNBits with the
+        encoders' scheme. That is the vision and speech graphs; the embedding has no MatMul (its quantized lookup
+        reads the lm_head's blocks from `quant_cache` while it is built). No weight of theirs is in another graph,
+        so they need no shared cache."""
+        options = self.options
+        if not (options.quantize and options.quantize_encoders):
+            return model
+        return quantize_matmuls(model, QuantPlan.for_encoders(options), options.accuracy_level)
+
+    def finish(self, model: ir.Model) -> ir.Model:
+        """What a graph still needs after quantization before it is checked and written (nothing by default)."""
+        return model

@@ -44,12 +44,13 @@ from builder_plugin.config import Phi4MMConfig
 from builder_plugin.dtypes import DTYPES
 from builder_plugin.errors import SpecMismatchError
 from builder_plugin.graph import MS_DOMAIN, GraphBuilder, transposed
+from builder_plugin.layout import GRAPH_FILES
 from builder_plugin.options import BuildOptions
 from builder_plugin.quant_plan import LM_HEAD_NODE, LM_HEAD_WEIGHT, QuantPlan
 from builder_plugin.quantize import ColumnChunkedTensor, QuantScheme
 from builder_plugin.spec import Component, IOSpec, TensorSpec
 
-EMBEDDING_FILENAME = "phi-4-mm-embedding.onnx"
+EMBEDDING_FILENAME = GRAPH_FILES[Component.EMBEDDING]
 TOKEN_TABLE = "embed_tokens.weight"  # routed local name; also the initializer name of the "rows" layout
 TRANSPOSED_TOKEN_TABLE = "embed_tokens.weight.transposed"
 INPUTS_EMBEDS = "inputs_embeds"  # the output, the decoder's input

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from builder_plugin.layout import INPUT_MODES, SPLIT_DECODERS
+
 MANIFEST_FILE = "manifest.json"
 FORMAT_VERSION = 1
-MODES = ("text", "vision", "speech")
+MODES = INPUT_MODES
 ROUTINGS = ("self", "split", "fixed")
-SPLIT_DECODERS = {"text": "phi-4-mm-text-base.onnx", "vision": "phi-4-mm-text.onnx",
-                  "speech": "phi-4-mm-text-speech.onnx"}
 
 
 @dataclass(frozen=True)

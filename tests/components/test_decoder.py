@@ -19,17 +19,13 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from builder_plugin.components.decoder import (
-    MAIN_DECODER,
-    SPLIT_FILENAMES,
-    DecoderBuilder,
-    DecoderBuildError,
-    decoder_variants,
-)
-from builder_plugin.components.mode_routing import AUDIO_TOKEN_ID, IMAGE_TOKEN_ID
+from builder_plugin.build import build_component
+from builder_plugin.components.decoder import DecoderBuilder, DecoderBuildError, decoder_variants
+from builder_plugin.components.decoder.mode_routing import AUDIO_TOKEN_ID, IMAGE_TOKEN_ID
+from builder_plugin.layout import DATA_FILES, INPUT_MODES, MAIN_DECODER, SPLIT_DECODERS
 from builder_plugin.options import BuildOptions
-from builder_plugin.package import DATA_FILES, PackageWriter
-from builder_plugin.spec import Component, check_io
+from builder_plugin.package import PackageWriter
+from builder_plugin.spec import Component
 from tests.stock_quantizer import stock_to_nbits
 
 DECODE_STEPS = 8
@@ -45,23 +41,19 @@ def _options(checkpoint: Path, precision: str = "fp32", lora: str = "routed", me
 
 
 def _build_and_save(config, weights, options: BuildOptions, folder: Path) -> tuple[PackageWriter, dict[str, Path]]:
+    """The decoder files as the build makes them (quantized and finished, checked against the spec), written."""
     folder.mkdir(parents=True, exist_ok=True)
-    builder = DecoderBuilder(config, options)
-    models = builder.build(weights[Component.DECODER])
-    spec = DecoderBuilder.spec_for(config, options)
+    output = build_component(DecoderBuilder(config, options), weights[Component.DECODER])
     writer = PackageWriter(folder, progress=False)
-    paths = {}
-    for filename, model in models.items():
-        check_io(model, spec, filename)
-        paths[filename] = writer.save(model, filename, DATA_FILE)
+    paths = {filename: writer.save(model, filename, DATA_FILE) for filename, model in output.graphs.items()}
     return writer, paths
 
 
 # name -> (build options, decoder file, reference LoRA, placeholder ids in the prompt of a self-routing decoder)
 VARIANTS = {
-    "base": ({"lora": "split"}, SPLIT_FILENAMES["none"], "none", ()),
-    "vision": ({"lora": "split"}, SPLIT_FILENAMES["vision"], "vision", ()),
-    "speech": ({"lora": "split"}, SPLIT_FILENAMES["speech"], "speech", ()),
+    "base": ({"lora": "split"}, SPLIT_DECODERS["text"], "none", ()),
+    "vision": ({"lora": "split"}, SPLIT_DECODERS["vision"], "vision", ()),
+    "speech": ({"lora": "split"}, SPLIT_DECODERS["speech"], "speech", ()),
     "vision+speech": ({"lora": "vision+speech"}, MAIN_DECODER, "vision+speech", ()),
     "merged-vision": ({"lora": "vision", "merge": True}, MAIN_DECODER, "vision", ()),
     # one self-routing decoder: the prompt's placeholder ids choose the adapter (image wins over audio)
@@ -209,12 +201,12 @@ ROUTED = (("lora", "routed"),)
 
 def test_split_variants_share_identical_base_weights_stored_once(tiny_checkpoint, tiny_config, tiny_weights,
                                                                  fp32_builds) -> None:
-    models = DecoderBuilder(tiny_config, _options(tiny_checkpoint, lora="split")).build(
-        tiny_weights[Component.DECODER])
-    assert list(models) == [SPLIT_FILENAMES[m] for m in ("vision", "speech", "none")]
-    base = models[SPLIT_FILENAMES["none"]].graph.initializers
+    models = build_component(DecoderBuilder(tiny_config, _options(tiny_checkpoint, lora="split")),
+                             tiny_weights[Component.DECODER]).graphs
+    assert list(models) == [SPLIT_DECODERS[m] for m in ("vision", "speech", "text")]
+    base = models[SPLIT_DECODERS["text"]].graph.initializers
     assert not any("lora" in name for name in base)
-    for filename in (SPLIT_FILENAMES["vision"], SPLIT_FILENAMES["speech"]):
+    for filename in (SPLIT_DECODERS["vision"], SPLIT_DECODERS["speech"]):
         variant = models[filename].graph.initializers
         assert set(base) <= set(variant)
         for name, value in base.items():  # same names, same tensor objects (so the same bytes)
@@ -329,13 +321,13 @@ def _canonical_nodes(graph: onnx.GraphProto) -> list[tuple]:
 # precision, --extra_options, decoder files compared. The LoRA variants' B MatMuls have K = r = 8 / 12 (one block):
 # with zero points (k_quant) the reference cannot pack them (test_quantize.py), so only the base decoder is compared.
 QUANT_CHOICES = {
-    "int4-default": ("int4", {"algo_config": "default"}, tuple(SPLIT_FILENAMES.values())),
+    "int4-default": ("int4", {"algo_config": "default"}, tuple(SPLIT_DECODERS.values())),
     "int4-default-mixed": ("int4", {"algo_config": "default",
                                     "matmul_mixed_precision": "last_matmul:int8,mixed_layers:int8"},
-                           (SPLIT_FILENAMES["vision"],)),
-    "int4-rtn_last": ("int4", {"algo_config": "rtn_last"}, (SPLIT_FILENAMES["speech"],)),
-    "int4-k_quant_mixed (default)": ("int4", {}, (SPLIT_FILENAMES["none"],)),
-    "int8": ("int8", {}, (SPLIT_FILENAMES["vision"],)),
+                           (SPLIT_DECODERS["vision"],)),
+    "int4-rtn_last": ("int4", {"algo_config": "rtn_last"}, (SPLIT_DECODERS["speech"],)),
+    "int4-k_quant_mixed (default)": ("int4", {}, (SPLIT_DECODERS["text"],)),
+    "int8": ("int8", {}, (SPLIT_DECODERS["vision"],)),
 }
 
 
@@ -402,9 +394,9 @@ def test_routed_quantized_weights_are_the_split_variants(extra, tiny_checkpoint,
     hidden = tiny_config.text.hidden_size
     embeds = rng.standard_normal((1, 20, hidden)).astype(np.float32) * 0.5
     steps = [rng.standard_normal((1, 1, hidden)).astype(np.float32) * 0.5 for _ in range(2)]
-    for placeholders, mode in (((), "none"), ((IMAGE_TOKEN_ID,), "vision"), ((AUDIO_TOKEN_ID,), "speech")):
+    for placeholders, mode in (((), "text"), ((IMAGE_TOKEN_ID,), "vision"), ((AUDIO_TOKEN_ID,), "speech")):
         got = SharedBufferDecoder(routed, tiny_config).run(embeds, steps, placeholders)[1]
-        want = SharedBufferDecoder(split[SPLIT_FILENAMES[mode]], tiny_config).run(embeds, steps)[1]
+        want = SharedBufferDecoder(split[SPLIT_DECODERS[mode]], tiny_config).run(embeds, steps)[1]
         np.testing.assert_allclose(np.stack(got), np.stack(want), atol=1e-4, rtol=0)
 
 
@@ -501,18 +493,20 @@ def test_option_errors(tiny_checkpoint, tiny_config, tiny_weights) -> None:
         MAIN_DECODER]
 
 
-def test_runtime_settings(tiny_checkpoint, tiny_config) -> None:
-    text = tiny_config.text
-    cpu = DecoderBuilder.runtime_settings(tiny_config, _options(tiny_checkpoint))
-    assert cpu.filename == MAIN_DECODER and cpu.variants == {"routed": MAIN_DECODER}
-    assert cpu.decoders_by_mode() == ("self", dict.fromkeys(("text", "vision", "speech"), MAIN_DECODER))
-    split = DecoderBuilder.runtime_settings(tiny_config, _options(tiny_checkpoint, lora="split"))
-    assert split.decoders_by_mode() == ("split", {"text": SPLIT_FILENAMES["none"], "vision": MAIN_DECODER,
-                                                  "speech": SPLIT_FILENAMES["speech"]})
-    assert cpu.past_present_share_buffer and cpu.attention_op == "GroupQueryAttention"
-    assert cpu.provider_options == () and not cpu.has_position_ids
-    assert (cpu.context_length, cpu.head_size, cpu.num_key_value_heads, cpu.num_hidden_layers, cpu.vocab_size) == (
-        text.max_position_embeddings, text.head_dim, text.num_key_value_heads, text.num_hidden_layers,
-        text.vocab_size)
-    cuda = DecoderBuilder.runtime_settings(tiny_config, _options(tiny_checkpoint, precision="fp16", provider="cuda"))
-    assert cuda.provider_options == ({"cuda": {"enable_cuda_graph": "0"}},) and cuda.io_dtype == "float16"
+def test_runtime_settings(tiny_checkpoint, tiny_config, tiny_weights) -> None:
+    """What genai_config.json and manifest.json take from the decoder build, read from the GenAI builder that made
+    the graphs."""
+    def runtime(**kwargs):
+        builder = DecoderBuilder(tiny_config, _options(tiny_checkpoint, **kwargs))
+        return builder.build_output(tiny_weights[Component.DECODER]).runtime
+
+    cpu = runtime()
+    assert (cpu.routing, cpu.decoders) == ("self", dict.fromkeys(INPUT_MODES, MAIN_DECODER))
+    assert cpu.past_present_share_buffer and cpu.provider_options == ()
+    split = runtime(lora="split")
+    assert (split.routing, list(split.decoders.items())) == ("split", [
+        ("text", SPLIT_DECODERS["text"]), ("vision", MAIN_DECODER), ("speech", SPLIT_DECODERS["speech"])])
+    merged = runtime(lora="speech", merge=True)
+    assert (merged.routing, merged.decoders) == ("fixed", dict.fromkeys(INPUT_MODES, MAIN_DECODER))
+    cuda = runtime(precision="fp16", provider="cuda")
+    assert cuda.provider_options == ({"cuda": {"enable_cuda_graph": "0"}},) and cuda.past_present_share_buffer

@@ -73,12 +73,10 @@ def test_not_a_package(tmp_path):
         Chat(tmp_path)
 
 
-def test_split_names_match_the_decoder_builder():
-    from builder_plugin.components.decoder import SPLIT_FILENAMES
-    from builder_plugin.runtime.manifest import SPLIT_DECODERS
+def test_split_decoder_names():
+    from builder_plugin.layout import SPLIT_DECODERS
 
-    assert SPLIT_DECODERS == {"text": SPLIT_FILENAMES["none"], "vision": SPLIT_FILENAMES["vision"],
-                              "speech": SPLIT_FILENAMES["speech"]} == SPLIT_FILES
+    assert SPLIT_DECODERS == SPLIT_FILES
 
 
 # ---- with the built package -----------------------------------------------------------------------------------------

@@ -108,9 +108,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BuildError as exc:
         return _fail(str(exc), args.verbose)
     except KeyboardInterrupt:
-        return _fail("interrupted; nothing was written (any existing output is unchanged)", args.verbose)
+        return _fail(INTERRUPTED, args.verbose)
     except Exception as exc:  # anything unexpected still gets one line unless --verbose
+        if _signalled:  # the interrupt surfaced as another error (e.g. an ImportError when it hit a module's import)
+            return _fail(INTERRUPTED, args.verbose)
         return _fail(f"{type(exc).__name__}: {exc} (run with --verbose for details)", args.verbose)
+
+
+INTERRUPTED = "interrupted; nothing was written (any existing output is unchanged)"
+_signalled = False
 
 
 @contextlib.contextmanager
@@ -119,6 +125,8 @@ def _terminate_as_interrupt():
     instead of left behind half-written."""
 
     def interrupt(signum: int, frame: object) -> None:
+        global _signalled
+        _signalled = True
         raise KeyboardInterrupt
 
     wanted = [signal.SIGTERM, signal.SIGHUP]

@@ -9,10 +9,11 @@ into the work folder by `make_checkpoint(preset="full", text_layers=2, vision_la
 Every measurement runs in its own process (peak RSS = the process's ru_maxrss, which includes the ~0.5 GB of imports):
 
 - ``ours``: DecoderBuilder, int4 cpu, ``--lora vision`` (one decoder, vision LoRA branches), written by PackageWriter.
-- ``ours-routed``: the same for ``--lora routed`` (the three per-mode decoders sharing one copy of the base weights).
-- ``stock``: onnxruntime-genai 0.18.0's own ``Phi4MMModel`` driven through its Model API (genai-builder-internals.md
-  §13): a module tree holding the checkpoint tensors as ``from_pretrained`` would (stored dtype, PEFT-style vision
-  LoRA modules), ``make_model`` then ``save_model``, i.e. ``to_nbits`` on the whole graph and ``ir.save``.
+- ``ours-routed``: the same for ``--lora routed`` (one self-routing decoder holding both adapters).
+- ``stock``: onnxruntime-genai 0.18.0's own ``Phi4MMModel`` driven through its Model API (the builder class
+  constructed directly and handed a module tree holding the checkpoint tensors as ``from_pretrained`` would: stored
+  dtype, PEFT-style vision LoRA modules), ``make_model`` then ``save_model``, i.e. ``to_nbits`` on the whole graph and
+  ``ir.save``.
 - ``run`` (latency): onnxruntime CPU session load, a 64-token prefill and 16 cached decode steps for the ``ours`` and
   ``stock`` decoders (both int4 with the vision LoRA: packed-qkv LoRA branches vs the stock unpacked q/k/v path),
   alternated ``--repeat`` times (median kept), with onnxruntime's profiler splitting decode kernel time between the
@@ -112,7 +113,8 @@ def worker_ours(checkpoint: Path, out: Path, lora: str) -> dict[str, Any]:
 
 def _stock_tree(weights: dict, config: Any) -> Any:
     """What `AutoModelForCausalLM.from_pretrained` + PEFT would hand the stock builder: real tensors in the stored
-    dtype, the text layers with PEFT-style LoRA modules (internals doc §11-12). Vision LoRA only: the stock class
+    dtype, the text layers with PEFT-style LoRA modules (``lora_A``/``lora_B`` dicts keyed by adapter name, as the stock
+    class walks them). Vision LoRA only: the stock class
     ignores the speech adapter."""
     import torch
 

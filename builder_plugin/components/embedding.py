@@ -53,6 +53,7 @@ from builder_plugin.spec import Component, IOSpec, TensorSpec
 EMBEDDING_FILENAME = GRAPH_FILES[Component.EMBEDDING]
 TOKEN_TABLE = "embed_tokens.weight"  # routed local name; also the initializer name of the "rows" layout
 TRANSPOSED_TOKEN_TABLE = "embed_tokens.weight.transposed"
+INPUT_IDS = "input_ids"  # the token ids, as the runtime feeds them (also to a self-routing decoder)
 INPUTS_EMBEDS = "inputs_embeds"  # the output, the decoder's input
 
 TableLayout = Literal["transposed", "rows", "quantized"]
@@ -84,7 +85,7 @@ class EmbeddingBuilder(ComponentBuilder):
         hidden = config.text.hidden_size
         return IOSpec(
             inputs=(
-                TensorSpec("input_ids", "int64", ("batch_size", "sequence_length")),
+                TensorSpec(INPUT_IDS, "int64", ("batch_size", "sequence_length")),
                 # the feature inputs are the encoders' outputs: one declaration of each name, dtype and shape
                 VisionBuilder.io_spec(config, io_dtype).output(IMAGE_FEATURES),
                 SpeechBuilder.io_spec(config, io_dtype).output(AUDIO_FEATURES),
@@ -105,7 +106,7 @@ class EmbeddingBuilder(ComponentBuilder):
                                     f"{(text.vocab_size, text.hidden_size)}")
 
         g = GraphBuilder("phi-4-mm-embedding", self.io_spec(self.config, io_dtype), self.options.weight_dtype)
-        ids = g.inputs["input_ids"]
+        ids = g.inputs[INPUT_IDS]
         if self.table_layout == "transposed":
             table_t = g.weight(TRANSPOSED_TOKEN_TABLE, table, transform=transposed)
             columns = g.op("Gather", table_t, ids, axis=1)  # [hidden, batch, seq]

@@ -10,6 +10,7 @@ from pathlib import Path
 import onnx
 
 from builder_plugin.config import Phi4MMConfig
+from builder_plugin.layout import MAIN_DECODER, SPLIT_DECODERS
 
 # lowest first
 PRECISIONS = ("int4", "int8", "fp16", "fp32")
@@ -37,7 +38,7 @@ def package_precisions(package: Path) -> dict[str, str]:
     config = json.loads((package / "genai_config.json").read_text(encoding="utf-8"))["model"]
     names = {section["filename"] for section in config.values()
              if isinstance(section, dict) and section.get("filename")}
-    names |= {path.name for path in package.glob("phi-4-mm-text*.onnx")}
+    names |= {MAIN_DECODER, *SPLIT_DECODERS.values()}
     return {name: graph_precision(package / name) for name in sorted(names) if (package / name).is_file()}
 
 

@@ -25,6 +25,7 @@ from builder_plugin.components.decoder.mode_routing import AUDIO_TOKEN_ID, IMAGE
 from builder_plugin.layout import DATA_FILES, INPUT_MODES, MAIN_DECODER, SPLIT_DECODERS
 from builder_plugin.options import BuildOptions
 from builder_plugin.package import PackageWriter
+from builder_plugin.quant_plan import LM_HEAD_WEIGHT
 from builder_plugin.spec import Component
 from tests.stock_quantizer import stock_to_nbits
 
@@ -414,7 +415,7 @@ def test_mixed_precision_puts_int8_on_the_stock_builders_nodes(tiny_checkpoint, 
     assert {name for name, b in bits.items() if b == 8} == eight
     assert all(b == 4 for name, b in bits.items() if name not in eight) and len(bits) > len(eight)
     assert all(len(n.input) == 4 for n in model.graph.node if n.op_type == "MatMulNBits")  # k_quant zero points
-    assert "lm_head.MatMul.weight_Q8G32" in {t.name for t in model.graph.initializer}
+    assert f"{LM_HEAD_WEIGHT}_Q8G32" in {t.name for t in model.graph.initializer}
 
 
 def _register_ort_onnx_domain_schemas() -> None:

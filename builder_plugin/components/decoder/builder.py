@@ -21,6 +21,7 @@ from builder_plugin.components.decoder.passes import fix_declared_shapes, hoist_
 from builder_plugin.components.decoder.tree import make_tree
 from builder_plugin.components.decoder.variants import DecoderVariant, decoder_variants, decoders_by_input_mode
 from builder_plugin.components.decoder.weights import WeightTensors
+from builder_plugin.components.embedding import INPUTS_EMBEDS, EmbeddingBuilder
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.errors import DecoderBuildError
 from builder_plugin.options import BuildOptions
@@ -54,7 +55,7 @@ class DecoderBuilder(ComponentBuilder):
         inputs = [TensorSpec("attention_mask", "int64", ("batch_size", "total_sequence_length"))]
         if execution_provider not in _ATTN_EPS_WITH_FUSED_ROPE:
             inputs.append(TensorSpec("position_ids", "int64", ("batch_size", "sequence_length")))
-        inputs.append(TensorSpec("inputs_embeds", io_dtype, ("batch_size", "sequence_length", text.hidden_size)))
+        inputs.append(EmbeddingBuilder.io_spec(config, io_dtype).output(INPUTS_EMBEDS))  # what the embedding hands over
         past = ("batch_size", kv_heads, "past_sequence_length", "kv_cache_dim")
         present = ("batch_size", kv_heads, "total_sequence_length", "kv_cache_dim")
         inputs += [TensorSpec(f"past_key_values.{i}.key", io_dtype, past) for i in layers]

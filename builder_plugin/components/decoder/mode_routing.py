@@ -29,12 +29,13 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from builder_plugin.components.embedding import INPUT_IDS, INPUTS_EMBEDS
 from builder_plugin.graph import MS_DOMAIN
 
 IMAGE_TOKEN_ID = 200010  # the placeholder ids the runtime's phi4mm processor expands (fixed in onnxruntime-genai)
 AUDIO_TOKEN_ID = 200011
 FLAG = 1024.0  # large enough that flag / context_length stays a normal fp16 number
-MODE_INPUT = "input_ids"
+MODE_INPUT = INPUT_IDS  # the decoder reads the placeholder ids from the same input the embedding takes
 ROUTED_ADAPTERS = ("vision", "speech")  # If order: vision first, as an image wins over audio
 
 _LORA_A = re.compile(r"^(?P<owner>.*)/lora_A\.(?P<adapter>\w+)/MatMul(_Q\w+)?$")  # quantized: MatMul_Q4...
@@ -90,7 +91,7 @@ def add_mode_state(model: ir.Model, num_layers: int, kv_heads: int, head_size: i
     first_present = next(v for v in graph.outputs if v.name == "present.0.key")
     gqa = next(n for n in graph if n.op_type == "GroupQueryAttention")
     seqlens_k, total_length = gqa.inputs[5], gqa.inputs[6]
-    embeds = next(v for v in graph.inputs if v.name == "inputs_embeds")
+    embeds = next(v for v in graph.inputs if v.name == INPUTS_EMBEDS)
     dtype = first_past.dtype
     np_dtype = dtype.numpy()
     state = ModeState(num_layers)

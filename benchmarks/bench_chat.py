@@ -43,6 +43,7 @@ from common import (  # noqa: E402
     fmt,
     machine_info,
     machine_markdown,
+    make_media,
     markdown_table,
     peak_rss_bytes,
     replace_markdown_section,
@@ -197,15 +198,6 @@ def checks(runs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def make_media(folder: Path) -> Path:
-    from builder_plugin.testing.media import make_image, make_wav
-
-    folder.mkdir(parents=True, exist_ok=True)
-    make_image(folder / "photo.png", *IMAGE_SIZE, seed=3)
-    make_wav(folder / "clip.wav", AUDIO_SECONDS, sample_rate=16000, seed=4)
-    return folder
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--package", type=Path, required=True, help="routed package (the default build)")
@@ -222,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(worker(args.worker, args.package, args.media, args.new_tokens, args.follow_up_room)))
         return 0
     with tempfile.TemporaryDirectory() as tmp:
-        media = make_media(Path(tmp) / "media")
+        media = make_media(Path(tmp) / "media", IMAGE_SIZE, AUDIO_SECONDS)
         runs: dict[str, Any] = {}
         runs["routed: all modes"] = run_worker("all modes", args.package, media, args, None)
         if args.split_package:

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import fmt, machine_info, machine_markdown, markdown_table, replace_markdown_section, write_json  # noqa: E402
+from common import fmt, machine_info, machine_markdown, make_media, markdown_table, replace_markdown_section, write_json  # noqa: E402
 
 IMAGE_SIZE = (448, 448)  # one crop and the global view
 AUDIO_SECONDS = 3.0
@@ -119,15 +119,6 @@ def report(results: dict[str, Any]) -> str:
         machine_markdown(results["machine"]), "", table, ""])
 
 
-def make_media(folder: Path) -> Path:
-    from builder_plugin.testing.media import make_image, make_wav
-
-    folder.mkdir(parents=True, exist_ok=True)
-    make_image(folder / "photo.png", *IMAGE_SIZE, seed=3)
-    make_wav(folder / "clip.wav", AUDIO_SECONDS, sample_rate=16000, seed=4)
-    return folder
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--package", type=Path, required=True, help="routed package (the default build)")
@@ -150,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     packages = [args.package, args.split_package]
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
-        media = make_media(Path(tmp) / "media")
+        media = make_media(Path(tmp) / "media", IMAGE_SIZE, AUDIO_SECONDS)
         for round_index in range(args.rounds):
             for mode in args.modes.split(","):
                 for package in packages if round_index % 2 == 0 else packages[::-1]:

@@ -271,3 +271,13 @@ def fmt(value: float | None, digits: int = 2, unit: str = "") -> str:
     if value is None:
         return "-"
     return f"{value:.{digits}f}{unit}"
+
+
+def make_media(folder: Path, image_size: tuple[int, int], audio_seconds: float) -> Path:
+    """A generated photo.png and clip.wav (random content, the given sizes) in `folder`."""
+    from builder_plugin.testing.media import make_image, make_wav
+
+    folder.mkdir(parents=True, exist_ok=True)
+    make_image(folder / "photo.png", *image_size, seed=3)
+    make_wav(folder / "clip.wav", audio_seconds, sample_rate=16000, seed=4)
+    return folder

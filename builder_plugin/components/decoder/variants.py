@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from builder_plugin.components.decoder.mode_routing import ROUTED_ADAPTERS
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.errors import DecoderBuildError
 from builder_plugin.layout import INPUT_MODES, MAIN_DECODER, SPLIT_DECODERS
-from builder_plugin.options import BuildOptions
+from builder_plugin.options import LORA_ADAPTERS, BuildOptions
 
 # The LoRA of each input mode's decoder in a split build, in the order they are built and written (the main decoder,
 # the one genai_config.json names, first).
@@ -34,28 +33,20 @@ class DecoderVariant:
 def decoder_variants(config: Phi4MMConfig, options: BuildOptions) -> tuple[DecoderVariant, ...]:
     """The decoder files `options.lora` / `options.merge_lora` ask for; the first is the one genai_config names."""
     lora = options.lora
-    if options.merge_lora:
-        if lora not in ("vision", "speech"):
-            raise DecoderBuildError(
-                f"merge_lora folds exactly one adapter into the base weights: use it with lora 'vision' or 'speech', "
-                f"not {lora!r}"
-            )
-        _require_adapters(config, (lora,))
-        return (DecoderVariant(MAIN_DECODER, lora, merged=lora),)
-    if lora == "routed":
-        _require_adapters(config, ROUTED_ADAPTERS)
-        return (DecoderVariant(MAIN_DECODER, "routed", adapters=ROUTED_ADAPTERS),)
-    if lora == "split":
-        _require_adapters(config, ("vision", "speech"))
-        return tuple(DecoderVariant(SPLIT_DECODERS[mode], adapter, adapters=() if adapter == "none" else (adapter,),
-                                    input_mode=mode)
-                     for mode, adapter in SPLIT_LORAS.items())
-    if lora == "none":
-        return (DecoderVariant(MAIN_DECODER, "none"),)
-    adapters = tuple(lora.split("+"))
-    if any(a not in ("vision", "speech") for a in adapters):
+    if lora not in LORA_ADAPTERS:
         raise DecoderBuildError(f"unknown lora choice {lora!r}")
+    if options.merge_lora and lora not in ("vision", "speech"):
+        raise DecoderBuildError(
+            f"merge_lora folds exactly one adapter into the base weights: use it with lora 'vision' or 'speech', "
+            f"not {lora!r}"
+        )
+    adapters = LORA_ADAPTERS[lora]
     _require_adapters(config, adapters)
+    if options.merge_lora:
+        return (DecoderVariant(MAIN_DECODER, lora, merged=lora),)
+    if lora == "split":
+        return tuple(DecoderVariant(SPLIT_DECODERS[mode], adapter, adapters=LORA_ADAPTERS[adapter], input_mode=mode)
+                     for mode, adapter in SPLIT_LORAS.items())
     return (DecoderVariant(MAIN_DECODER, lora, adapters=adapters),)
 
 

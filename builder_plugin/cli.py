@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import signal
 import sys
@@ -102,42 +101,46 @@ def default_output(model_dir: Path, model_name: str | None, precision: str, prov
 def main(argv: Sequence[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(message)s")
+    stop = StopSignals()
     try:
-        with _terminate_as_interrupt():
+        with stop:
             return _run(args)
     except BuildError as exc:
         return _fail(str(exc), args.verbose)
     except KeyboardInterrupt:
         return _fail(INTERRUPTED, args.verbose)
     except Exception as exc:  # anything unexpected still gets one line unless --verbose
-        if _signalled:  # the interrupt surfaced as another error (e.g. an ImportError when it hit a module's import)
+        if stop.received:  # the interrupt surfaced as another error (e.g. an ImportError when it hit a module's import)
             return _fail(INTERRUPTED, args.verbose)
         return _fail(f"{type(exc).__name__}: {exc} (run with --verbose for details)", args.verbose)
 
 
 INTERRUPTED = "interrupted; nothing was written (any existing output is unchanged)"
-_signalled = False
 
 
-@contextlib.contextmanager
-def _terminate_as_interrupt():
-    """SIGTERM and SIGHUP (a killed job, a closed terminal) unwind like Ctrl-C, so the staging folder is removed
-    instead of left behind half-written."""
+class StopSignals:
+    """While active, Ctrl-C, SIGTERM and SIGHUP (a killed job, a closed terminal) all unwind as KeyboardInterrupt,
+    so the staging folder is removed instead of left behind half-written; `received` records that one came."""
 
-    def interrupt(signum: int, frame: object) -> None:
-        global _signalled
-        _signalled = True
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.received = False
+        self._previous: dict[int, object] = {}
+
+    def _interrupt(self, signum: int, frame: object) -> None:
+        self.received = True
         raise KeyboardInterrupt
 
-    wanted = [signal.SIGTERM, signal.SIGHUP]
-    try:
-        previous = {s: signal.signal(s, interrupt) for s in wanted}
-    except ValueError:  # not the main thread: signals stay as they are
-        previous = {}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
+    def __enter__(self) -> StopSignals:
+        try:
+            self._previous = {s: signal.signal(s, self._interrupt) for s in self.SIGNALS}
+        except ValueError:  # not the main thread: signals stay as they are
+            self._previous = {}
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for s, handler in self._previous.items():
             signal.signal(s, handler)
 
 

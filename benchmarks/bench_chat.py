@@ -39,6 +39,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import (  # noqa: E402
+    command_line,
     current_rss_bytes,
     fmt,
     machine_info,
@@ -46,9 +47,8 @@ from common import (  # noqa: E402
     make_media,
     markdown_table,
     peak_rss_bytes,
-    replace_markdown_section,
+    publish,
     rss_split,
-    write_json,
 )
 
 GB = 1e9
@@ -220,14 +220,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.split_package:
             for scenario in ("all modes", "text only", "image only"):
                 runs[f"split: {scenario}"] = run_worker(scenario, args.split_package, media, args, 0)
-    command = "python benchmarks/bench_chat.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    results = {"command": command, "machine": machine_info(), "new_tokens": args.new_tokens, "runs": runs}
+    results = {"command": command_line("bench_chat.py", argv), "machine": machine_info(),
+               "new_tokens": args.new_tokens, "runs": runs}
     results["checks"] = checks(runs)
-    write_json(args.out, results)
-    body = report(results)
-    print(body)
-    if args.doc:
-        replace_markdown_section(args.doc, "## Chat run time", body)
+    publish(results, args.out, args.doc, "## Chat run time", report(results))
     return 0
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import statistics
 import sys
 import time
@@ -22,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import fmt, machine_info, machine_markdown, peak_rss_bytes, replace_markdown_section, write_json  # noqa: E402
+from common import command_line, fmt, machine_info, machine_markdown, peak_rss_bytes, publish  # noqa: E402
 
 SENTENCE = "The keeper climbed the stairs of the lighthouse, counted the ships and wrote the weather in his book. "
 
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "longrope.json")
     parser.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"), help="'' leaves the docs alone")
+    parser.add_argument("--note", default="", help="how the package was built, the machine's state (for the report)")
     args = parser.parse_args(argv)
 
     from builder_plugin.runtime import Chat, Sampling
@@ -72,26 +74,37 @@ def main(argv: list[str] | None = None) -> int:
                          f"{stats.new_tokens} new, switch {switch}); raise --new-tokens")
     others = steps[:crossing] + steps[crossing + 1:]
     results = {
-        "command": "python benchmarks/bench_longrope.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": command_line("bench_longrope.py", argv), "note": args.note,
         "machine": machine_info(), "package": str(args.package), "switch": switch,
+        "num_attention_heads": _attention_heads(args.package),
         "prompt_tokens": stats.prompt_tokens, "new_tokens": stats.new_tokens,
         "prefill_s": arrivals[0] - started, "recompute_step_s": steps[crossing],
         "recomputed_tokens": switch, "median_decode_step_s": statistics.median(others),
         "peak_rss_bytes": peak_rss_bytes(), "slowest_step_index": steps.index(max(steps)), "crossing_index": crossing,
     }
-    write_json(args.out, results)
-    body = "\n".join([
-        f"Command: `{results['command']}`", "", machine_markdown(results["machine"]), "",
-        f"- prompt: {stats.prompt_tokens} tokens, prefilled in {fmt(results['prefill_s'], 1)} s (first token);",
-        f"- the step past position {switch}: {fmt(results['recompute_step_s'], 1)} s (a prefill of the "
-        f"{switch} ids so far, then the step), against a median decode step of "
-        f"{fmt(1e3 * results['median_decode_step_s'], 0)} ms;",
-        f"- once per conversation; peak RSS {fmt(results['peak_rss_bytes'] / 1e9, 2)} GB.", ""])
-    print(body)
-    if args.doc:
-        replace_markdown_section(args.doc, "## LongRoPE switch", body)
+    publish(results, args.out, args.doc, "## LongRoPE switch", report(results))
     return 0
 
+
+def _attention_heads(package: Path) -> int:
+    return int(json.loads((package / "genai_config.json").read_text(encoding="utf-8"))["model"]["decoder"]
+               ["num_attention_heads"])
+
+
+def report(results: dict) -> str:
+    switch = results["switch"]
+    scores_gb = results["num_attention_heads"] * switch * switch * 4 / 1e9
+    return "\n".join([
+        *([results["note"], ""] if results.get("note") else []),
+        f"Command: `{results['command']}`", "", machine_markdown(results["machine"]), "",
+        f"- prompt: {results['prompt_tokens']} tokens, prefilled in {fmt(results['prefill_s'], 1)} s (first token);",
+        f"- the step past position {switch}: {fmt(results['recompute_step_s'], 1)} s (a prefill of the {switch} ids "
+        f"so far, then the step), against a median decode step of {fmt(1e3 * results['median_decode_step_s'], 0)} ms "
+        "at that length;",
+        "- so crossing the switch costs one more prefill of the conversation, once per conversation;",
+        f"- peak RSS {fmt(results['peak_rss_bytes'] / 1e9, 2)} GB (onnxruntime's CPU attention holds the "
+        f"[{results['num_attention_heads']} heads, {switch}, {switch}] fp32 scores of a {switch}-token prefill, "
+        f"{fmt(scores_gb, 1)} GB).", ""])
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import fmt, machine_info, machine_markdown, make_media, markdown_table, replace_markdown_section, write_json  # noqa: E402
+from common import command_line, fmt, machine_info, machine_markdown, make_media, markdown_table, publish  # noqa: E402
 
 IMAGE_SIZE = (448, 448)  # one crop and the global view
 AUDIO_SECONDS = 3.0
@@ -112,7 +112,10 @@ def report(results: dict[str, Any]) -> str:
     table = markdown_table(["mode", "prompt tokens", "first token routed (s)", "split (s)", "change",
                             "decode routed (tok/s)", "split (tok/s)", "change", f"within {100 * SPEED_TARGET:.0f} %"],
                            rows)
+    media = (f"Each process asks its mode's questions through `Chat` (image: {IMAGE_SIZE[0]}x{IMAGE_SIZE[1]}; audio: a "
+             f"{AUDIO_SECONDS:g} s clip).")
     return "\n".join([
+        " ".join(filter(None, (results.get("note"), media))), "",
         f"Command: `{results['command']}`", "",
         f"{results['rounds']} rounds x {results['repeats']} timed questions per package and mode, medians; "
         "changes are routed against split, positive = routed faster.", "",
@@ -129,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "routing_speed.json")
     parser.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"), help="'' leaves the docs alone")
+    parser.add_argument("--note", default="", help="how the packages were built, the machine's state (for the report)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--media", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -146,15 +150,11 @@ def main(argv: list[str] | None = None) -> int:
             for mode in args.modes.split(","):
                 for package in packages if round_index % 2 == 0 else packages[::-1]:
                     runs.append(run_worker(package, mode, media, args))
-    command = "python benchmarks/bench_routing_speed.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    results = {"command": command, "machine": machine_info(), "rounds": args.rounds, "repeats": args.repeats,
+    results = {"command": command_line("bench_routing_speed.py", argv), "note": args.note,
+               "machine": machine_info(), "rounds": args.rounds, "repeats": args.repeats,
                "new_tokens": args.new_tokens, "runs": runs}
     results["summary"] = summary(runs)
-    write_json(args.out, results)
-    body = report(results)
-    print(body)
-    if args.doc:
-        replace_markdown_section(args.doc, "## Routed against split decoders", body)
+    publish(results, args.out, args.doc, "## Routed against split decoders", report(results))
     return 0
 
 

@@ -14,6 +14,7 @@ import platform
 import re
 import resource
 import statistics
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -281,3 +282,16 @@ def make_media(folder: Path, image_size: tuple[int, int], audio_seconds: float) 
     make_image(folder / "photo.png", *image_size, seed=3)
     make_wav(folder / "clip.wav", audio_seconds, sample_rate=16000, seed=4)
     return folder
+
+
+def command_line(script: str, argv: Sequence[str] | None) -> str:
+    """The command that ran a benchmark, as the reports quote it."""
+    return f"python benchmarks/{script} " + " ".join(sys.argv[1:] if argv is None else argv)
+
+
+def publish(results: dict[str, Any], out: str | Path, doc: str, heading: str, body: str) -> None:
+    """Write the results JSON, print the report and, unless `doc` is empty, put it under `heading` in `doc`."""
+    write_json(out, results)
+    print(body)
+    if doc:
+        replace_markdown_section(doc, heading, body)

@@ -11,9 +11,9 @@ import onnx_ir as ir
 from builder_plugin.checkpoint.reader import TensorRef
 from builder_plugin.components.base import BuildOutput, ComponentBuilder, DecoderRuntimeSettings
 from builder_plugin.components.decoder.genai_builder import genai_builder_class, make_genai_builder, quiet
+from builder_plugin.components.decoder.kv import KVLayer
 from builder_plugin.components.decoder.mode_routing import (
     MODE_INPUT,
-    ModeState,
     add_mode_state,
     route_lora_branches,
 )
@@ -58,13 +58,13 @@ class DecoderBuilder(ComponentBuilder):
         inputs.append(EmbeddingBuilder.io_spec(config, io_dtype).output(INPUTS_EMBEDS))  # what the embedding hands over
         past = ("batch_size", kv_heads, "past_sequence_length", "kv_cache_dim")
         present = ("batch_size", kv_heads, "total_sequence_length", "kv_cache_dim")
-        inputs += [TensorSpec(f"past_key_values.{i}.key", io_dtype, past) for i in layers]
-        inputs += [TensorSpec(f"past_key_values.{i}.value", io_dtype, past) for i in layers]
+        inputs += [TensorSpec(KVLayer(i).past_key, io_dtype, past) for i in layers]
+        inputs += [TensorSpec(KVLayer(i).past_value, io_dtype, past) for i in layers]
         outputs = [TensorSpec("logits", io_dtype, ("batch_size", 1, text.vocab_size))]  # last position only
-        outputs += [TensorSpec(f"present.{i}.key", io_dtype, present) for i in layers]
-        outputs += [TensorSpec(f"present.{i}.value", io_dtype, present) for i in layers]
+        outputs += [TensorSpec(KVLayer(i).present_key, io_dtype, present) for i in layers]
+        outputs += [TensorSpec(KVLayer(i).present_value, io_dtype, present) for i in layers]
         if self_routing:  # after the builder's own I/O, in the order add_mode_state appends them
-            state = ModeState(text.num_hidden_layers)
+            state = KVLayer(text.num_hidden_layers)  # the mode's layer
             inputs += [TensorSpec(MODE_INPUT, "int64", ("batch_size", "sequence_length")),
                        TensorSpec(state.past_key, io_dtype, past), TensorSpec(state.past_value, io_dtype, past)]
             outputs += [TensorSpec(state.present_key, io_dtype, present),

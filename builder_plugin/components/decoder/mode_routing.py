@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from builder_plugin.components.decoder.kv import KVLayer
 from builder_plugin.components.embedding import INPUT_IDS, INPUTS_EMBEDS
 from builder_plugin.graph import MS_DOMAIN
 
@@ -39,29 +40,6 @@ MODE_INPUT = INPUT_IDS  # the decoder reads the placeholder ids from the same in
 ROUTED_ADAPTERS = ("vision", "speech")  # If order: vision first, as an image wins over audio
 
 _LORA_A = re.compile(r"^(?P<owner>.*)/lora_A\.(?P<adapter>\w+)/MatMul(_Q\w+)?$")  # quantized: MatMul_Q4...
-
-
-@dataclass(frozen=True)
-class ModeState:
-    """Names of the extra KV layer that carries the mode (layer index = the model's layer count)."""
-
-    layer: int
-
-    @property
-    def past_key(self) -> str:
-        return f"past_key_values.{self.layer}.key"
-
-    @property
-    def past_value(self) -> str:
-        return f"past_key_values.{self.layer}.value"
-
-    @property
-    def present_key(self) -> str:
-        return f"present.{self.layer}.key"
-
-    @property
-    def present_value(self) -> str:
-        return f"present.{self.layer}.value"
 
 
 class _Emitter:
@@ -87,14 +65,14 @@ class _Emitter:
 def add_mode_state(model: ir.Model, num_layers: int, kv_heads: int, head_size: int) -> tuple[ir.Value, ir.Value]:
     """Add ``input_ids`` and the mode KV layer to a decoder graph; returns the (is_vision, is_speech) booleans."""
     graph = model.graph
-    first_past = graph.inputs[[v.name for v in graph.inputs].index("past_key_values.0.key")]
-    first_present = next(v for v in graph.outputs if v.name == "present.0.key")
+    first_past = graph.inputs[[v.name for v in graph.inputs].index(KVLayer(0).past_key)]
+    first_present = next(v for v in graph.outputs if v.name == KVLayer(0).present_key)
     gqa = next(n for n in graph if n.op_type == "GroupQueryAttention")
     seqlens_k, total_length = gqa.inputs[5], gqa.inputs[6]
     embeds = next(v for v in graph.inputs if v.name == INPUTS_EMBEDS)
     dtype = first_past.dtype
     np_dtype = dtype.numpy()
-    state = ModeState(num_layers)
+    state = KVLayer(num_layers)  # the mode's layer, after the model's own
 
     ids = ir.Value(name=MODE_INPUT, shape=ir.Shape(["batch_size", "sequence_length"]),
                    type=ir.TensorType(ir.DataType.INT64))

@@ -14,7 +14,7 @@ import onnx_ir as ir
 import torch
 
 from builder_plugin.checkpoint.reader import TensorRef
-from builder_plugin.dtypes import BY_ONNX, DTYPES, onnx_dtype
+from builder_plugin.dtypes import BY_ONNX, DTYPES, GRAPH_FLOATS, onnx_dtype
 from builder_plugin.spec import IOSpec, TensorSpec
 
 OPSET = 21
@@ -76,7 +76,8 @@ class GraphBuilder:
             if transform is not None:
                 shape = tuple(transform(torch.empty(shape, device="meta")).shape)
 
-        target = BY_ONNX[ir_dtype].torch if ir_dtype in (ir.DataType.FLOAT, ir.DataType.FLOAT16) else None
+        row = BY_ONNX.get(ir_dtype)
+        target = row.torch if row is not None and row.name in GRAPH_FLOATS else None
 
         def materialize() -> ir.TensorProtocol:
             # Converting straight to the target dtype (bf16 -> fp16 rounds exactly as via fp32) keeps a big fp16

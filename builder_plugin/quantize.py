@@ -268,6 +268,18 @@ def is_quantizable_matmul(node: ir.Node) -> bool:
     return tensor is not None and tensor.dtype in _QUANTIZABLE and len(tensor.shape) == 2
 
 
+def has_float_matmul_weights_only(model: ir.Model) -> bool:
+    """Whether the graph's MatMul weights are all float: some MatMul has a constant float B and no MatMulNBits is
+    anywhere (in If bodies included). Such a graph gains nothing from onnxruntime's CPU prepacking, which copies those
+    weights into a packed buffer, while a quantized graph's MatMulNBits needs it to run fast."""
+    float_weights = False
+    for node in ir.traversal.RecursiveGraphIterator(model.graph):
+        if node.op_type == "MatMulNBits":
+            return False
+        float_weights = float_weights or is_quantizable_matmul(node)
+    return float_weights
+
+
 SchemeChoice = QuantScheme | Callable[[ir.Node], QuantScheme | None]
 
 

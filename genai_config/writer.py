@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,11 @@ PROVIDER_OPTIONS: dict[str, list[dict[str, Any]]] = {
     "dml": [{"dml": {}}],
     "webgpu": [{"webgpu": {}}],
 }
+
+# On cpu a session whose weights are all float runs with prepacking off: onnxruntime then computes on the weights where
+# it mapped them from the .data file (page cache: shared, reclaimable, read on first use) instead of holding a packed
+# copy of every one of them in the process; a float MatMul is as fast either way, a MatMulNBits is not.
+UNPACKED_WEIGHTS_ENTRIES = {"session.disable_prepacking": "1"}
 
 _LAYER_INDEX = re.compile(r"\.(\d+)\.")
 
@@ -64,10 +69,12 @@ def make_genai_config(
     share_kv_buffer: bool = True,
     generation: Mapping[str, Any] | None = None,
     provider_options: list[dict[str, Any]] | None = None,
+    float_weight_components: Collection[Component] = (),
 ) -> dict[str, Any]:
     """The genai_config.json content. `specs`/`filenames` must cover decoder, embedding and vision; speech is
     optional (without it the speech section only disables speech, as the runtime requires). `provider_options`
-    defaults to PROVIDER_OPTIONS[execution_provider]; the build passes the decoder builder's own."""
+    defaults to PROVIDER_OPTIONS[execution_provider]; the build passes the decoder builder's own. On cpu the
+    sessions of `float_weight_components` (graphs whose MatMul weights are all float) get UNPACKED_WEIGHTS_ENTRIES."""
     for needed in (Component.DECODER, Component.EMBEDDING, Component.VISION):
         if needed not in specs:
             raise ValueError(f"a phi4mm package needs the {needed.value} model")
@@ -78,6 +85,10 @@ def make_genai_config(
     if provider_options is None:
         provider_options = PROVIDER_OPTIONS[execution_provider]
     session = {"log_id": "onnxruntime-genai", "provider_options": provider_options}
+    unpacked = {**session, **UNPACKED_WEIGHTS_ENTRIES}
+
+    def session_of(component: Component) -> dict[str, Any]:
+        return unpacked if execution_provider == "cpu" and component in float_weight_components else session
 
     model: dict[str, Any] = {
         "type": "phi4mm",
@@ -87,7 +98,7 @@ def make_genai_config(
         "pad_token_id": config.pad_token_id,
         "eos_token_id": list(config.eos_token_ids),
         "decoder": {
-            "session_options": session,
+            "session_options": session_of(Component.DECODER),
             "filename": filenames[Component.DECODER],
             "hidden_size": text.hidden_size,
             "head_size": text.head_dim,
@@ -105,6 +116,10 @@ def make_genai_config(
             else {"config_filename": ""}
         ),
     }
+    for component in (Component.EMBEDDING, Component.VISION, Component.SPEECH):
+        own = session_of(component)
+        if component in specs and own != model["decoder"]["session_options"]:
+            model[component.value] = {"session_options": own, **model[component.value]}
     embedding_ids = specs[Component.EMBEDDING].inputs[0].name
     if embedding_ids != model["decoder"]["inputs"].get("input_ids", "input_ids"):
         raise ValueError("the embedding graph must take its ids under the decoder's input_ids name")

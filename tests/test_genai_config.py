@@ -51,3 +51,40 @@ def test_processor_configs_have_aligners_and_no_30s_cap() -> None:
     speech = speech_processor_config(8)
     assert speech["feature_extraction"]["output_aligner"] == "phi4-audio-aligner"
     assert speech["feature_extraction"]["sequence"][0]["operation"]["attrs"]["max_samples"] == 0
+
+
+def test_float_weight_sessions_run_unpacked_on_cpu(tiny_config) -> None:
+    specs = stub_specs(tiny_config, "float32")
+    files = {c: f"{c.value}.onnx" for c in specs}
+    unpacked = {"session.disable_prepacking": "1"}
+
+    every = make_genai_config(tiny_config, specs, files, "cpu", float_weight_components=set(Component))["model"]
+    assert every["decoder"]["session_options"].items() >= unpacked.items()
+    assert all("session_options" not in every[c] for c in ("vision", "speech", "embedding"))  # the decoder's fallback
+
+    encoders = make_genai_config(tiny_config, specs, files, "cpu",
+                                 float_weight_components={Component.VISION, Component.SPEECH})["model"]
+    assert "session.disable_prepacking" not in encoders["decoder"]["session_options"]
+    for section in ("vision", "speech"):
+        assert encoders[section]["session_options"] == {**encoders["decoder"]["session_options"], **unpacked}
+    assert "session_options" not in encoders["embedding"]
+
+    cuda = make_genai_config(tiny_config, specs, files, "cuda", float_weight_components=set(Component))["model"]
+    assert all("session.disable_prepacking" not in cuda[c].get("session_options", {}) for c in cuda
+               if isinstance(cuda[c], dict))
+
+
+def test_built_packages_unpack_exactly_their_float_graphs(tmp_path_factory, tiny_package, tiny_checkpoint) -> None:
+    from builder_plugin.build import build
+    from builder_plugin.options import BuildOptions
+
+    fp32 = json.loads((tiny_package / "genai_config.json").read_text())["model"]
+    assert fp32["decoder"]["session_options"]["session.disable_prepacking"] == "1"
+    output = tmp_path_factory.mktemp("float-encoders") / "package"
+    build(BuildOptions(model_dir=tiny_checkpoint, output_dir=output, precision="int4", lora="none",
+                       quantize_encoders=False, max_length=256), progress=False)
+    int4 = json.loads((output / "genai_config.json").read_text())["model"]
+    assert "session.disable_prepacking" not in int4["decoder"]["session_options"]  # MatMulNBits: packed is fast
+    assert int4["vision"]["session_options"]["session.disable_prepacking"] == "1"
+    assert int4["speech"]["session_options"]["session.disable_prepacking"] == "1"
+    og.Model(str(output)).create_multimodal_processor()  # the runtime takes the per-section options

@@ -94,6 +94,8 @@ def test_good_package_passes_every_mode(request, tmp_path, layout):
         assert mode["max_relative_diff"] <= 1e-3
     variants = {c["mode"]: c["variant"] for c in data["cases"]}
     assert variants == dict.fromkeys(MODES, "phi-4-mm-text.onnx")  # one self-routing decoder answers every mode
+    for side in ("package", "reference"):
+        assert 0 < data["peak_private_gb"][side] <= data["peak_rss_gb"]["overall"]
 
 
 def test_user_prompts_and_media_add_cases(tmp_path, tiny_package, tiny_checkpoint, media_dir):

@@ -96,32 +96,38 @@ def verify(args: argparse.Namespace) -> Report:
     with tempfile.TemporaryDirectory(prefix="verify-media-") as media:
         cases = build_cases(modes, Path(media), args.prompt, args.image, args.audio)
         started = time.perf_counter()
-        with tqdm(total=len(cases) * args.max_new_tokens, desc="package: onnxruntime-genai", leave=False,
-                  disable=args.no_progress) as bar:
+        steps = len(cases) * args.max_new_tokens
+        with _MemorySampler() as package_memory, tqdm(total=steps, desc="package: onnxruntime-genai", leave=False,
+                                                      disable=args.no_progress) as bar:
             runs = run_package(str(package), cases, args.max_new_tokens, on_step=bar.update)
         timings["package"] = time.perf_counter() - started
     peak_gb = {"package": _peak_rss_gb()}
+    private_gb = {"package": package_memory.peak_private / 1e9}
     gc.collect()  # the og models are gone before the reference loads anything: peak memory is the larger side
 
     started = time.perf_counter()
-    with _RssSampler() as sampler:
+    with _MemorySampler() as reference_memory:
         reference_logits = reference.logits([TeacherForced(r.inputs, r.tokens) for r in runs], progress)
     timings["reference"] = time.perf_counter() - started
-    peak_gb["reference"] = sampler.peak / 1e9
+    peak_gb["reference"] = reference_memory.peak_rss / 1e9
+    private_gb["reference"] = reference_memory.peak_private / 1e9
     peak_gb["overall"] = _peak_rss_gb()
     metrics = [compare(r.case.name, r.case.mode, r.variant, r.prompt_length, r.tokens, r.logits, want)
                for r, want in zip(runs, reference_logits)]
     threshold = THRESHOLDS[precision]
     verdicts = [judge(mode, [m for m in metrics if m.mode == mode], threshold) for mode in modes]
     return Report(str(package), str(args.checkpoint), reference.config.source_format, precision, graphs, threshold,
-                  args.max_new_tokens, verdicts, metrics, timings, peak_gb)
+                  args.max_new_tokens, verdicts, metrics, timings, peak_gb, private_gb)
 
 
-class _RssSampler:
-    """The largest resident set seen while the block runs (the process peak would include the package side)."""
+class _MemorySampler:
+    """The largest resident set seen while the block runs (the process peak would include the package side), and the
+    largest private part of it: the resident set less the pages mapped from files, which for a package whose float
+    weights run unpacked are those weights, read from the page cache."""
 
     def __init__(self, interval_s: float = 0.1) -> None:
-        self.peak = 0
+        self.peak_rss = 0
+        self.peak_private = 0
         self._interval = interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)
@@ -129,10 +135,12 @@ class _RssSampler:
     def _sample(self) -> None:
         process = psutil.Process()
         while not self._stop.is_set():
-            self.peak = max(self.peak, process.memory_info().rss)
+            memory = process.memory_info()
+            self.peak_rss = max(self.peak_rss, memory.rss)
+            self.peak_private = max(self.peak_private, memory.rss - getattr(memory, "shared", 0))
             self._stop.wait(self._interval)
 
-    def __enter__(self) -> _RssSampler:
+    def __enter__(self) -> _MemorySampler:
         self._thread.start()
         return self
 

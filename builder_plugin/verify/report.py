@@ -23,6 +23,7 @@ class Report:
     cases: list[CaseMetrics]
     timings_s: dict[str, float] = field(default_factory=dict)
     peak_rss_gb: dict[str, float] = field(default_factory=dict)  # package side, reference (sampled), overall
+    peak_private_gb: dict[str, float] = field(default_factory=dict)  # sampled, file-mapped pages left out
 
     @property
     def passed(self) -> bool:
@@ -39,7 +40,7 @@ class Report:
             "threshold": asdict(self.threshold), "max_new_tokens": self.max_new_tokens, "passed": self.passed,
             "failed_modes": self.failed_modes, "modes": [asdict(v) for v in self.verdicts],
             "cases": [c.as_dict() for c in self.cases], "timings_s": self.timings_s,
-            "peak_rss_gb": self.peak_rss_gb,
+            "peak_rss_gb": self.peak_rss_gb, "peak_private_gb": self.peak_private_gb,
         }
 
     def write_json(self, path: Path) -> None:
@@ -85,6 +86,10 @@ class Report:
             lines += ["", "Time: " + ", ".join(f"{k} {v:.0f} s" for k, v in self.timings_s.items())]
         if self.peak_rss_gb:
             lines += ["", "Peak RSS: " + ", ".join(f"{k} {v:.2f} GB" for k, v in self.peak_rss_gb.items())]
+        if self.peak_private_gb:
+            private = ", ".join(f"{k} {v:.2f} GB" for k, v in self.peak_private_gb.items())
+            lines += ["", "Peak private memory (the resident set less pages mapped from files, such as the weights of "
+                      f"an unpacked float graph): {private}"]
         return "\n".join(lines) + "\n"
 
 

@@ -26,7 +26,7 @@ from builder_plugin.errors import BuildError, InputError
 from builder_plugin.layout import DATA_FILES, GRAPH_FILES
 from builder_plugin.options import LORA_ADAPTERS, BuildOptions
 from builder_plugin.package import OutputFolder, PackageWriter
-from builder_plugin.quantize import QuantizationCache, has_float_matmul_weights_only
+from builder_plugin.quantize import QuantizationCache, wants_prepacking
 from builder_plugin.runtime.manifest import Manifest
 from builder_plugin.spec import Component, IOSpec, check_io
 from genai_config import (
@@ -161,15 +161,16 @@ def build(options: BuildOptions, progress: bool = True) -> BuildResult:
         filenames: dict[Component, str] = {}
         runtime: DecoderRuntimeSettings | None = None
         quant_cache = QuantizationCache()
-        float_weights: set[Component] = set()
+        prepacking: dict[Component, bool] = {}
         for step, component in enumerate(components, 1):
             if progress:
                 print(f"[{step}/{len(components)}] {component.value}: building the graph", file=sys.stderr, flush=True)
             builder = classes[component](config, options)
             builder.quant_cache = quant_cache
             output = build_component(builder, weights[component])
-            if all(has_float_matmul_weights_only(model) for model in output.graphs.values()):
-                float_weights.add(component)
+            wanted = {wants_prepacking(model) for model in output.graphs.values()} - {None}
+            if wanted:
+                prepacking[component] = True in wanted
             for filename, model in output.graphs.items():
                 writer.save(model, filename, DATA_FILES[component])
             specs[component] = output.spec
@@ -177,7 +178,7 @@ def build(options: BuildOptions, progress: bool = True) -> BuildResult:
             runtime = output.runtime or runtime
         if runnable:
             _write_runtime_configs(staging, config, options, specs, filenames, runtime, runtime_inputs,
-                                   frozenset(float_weights))
+                                   prepacking)
         for name in TOKENIZER_FILES:
             if (options.model_dir / name).is_file():
                 shutil.copy(options.model_dir / name, staging / name)
@@ -196,10 +197,10 @@ def build(options: BuildOptions, progress: bool = True) -> BuildResult:
 def _write_runtime_configs(folder: Path, config: Phi4MMConfig, options: BuildOptions,
                            specs: dict[Component, IOSpec], filenames: dict[Component, str],
                            runtime: DecoderRuntimeSettings, inputs: RuntimeConfigInputs,
-                           float_weights: frozenset[Component]) -> None:
+                           prepacking: Mapping[Component, bool]) -> None:
     genai = make_genai_config(config, specs, filenames, options.execution_provider, options.max_length,
                               share_kv_buffer=runtime.past_present_share_buffer, generation=inputs.generation,
-                              provider_options=list(runtime.provider_options), float_weight_components=float_weights)
+                              provider_options=list(runtime.provider_options), prepacking=prepacking)
     write_json(folder / GENAI_CONFIG_FILE, genai)
     Manifest(runtime.decoders, runtime.routing, config.text.original_max_position_embeddings).write(folder)
     write_json(folder / VISION_PROCESSOR_FILE, vision_processor_config(config.vision.crop_size, inputs.dynamic_hd))

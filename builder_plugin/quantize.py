@@ -268,16 +268,16 @@ def is_quantizable_matmul(node: ir.Node) -> bool:
     return tensor is not None and tensor.dtype in _QUANTIZABLE and len(tensor.shape) == 2
 
 
-def has_float_matmul_weights_only(model: ir.Model) -> bool:
-    """Whether the graph's MatMul weights are all float: some MatMul has a constant float B and no MatMulNBits is
-    anywhere (in If bodies included). Such a graph gains nothing from onnxruntime's CPU prepacking, which copies those
-    weights into a packed buffer, while a quantized graph's MatMulNBits needs it to run fast."""
+def wants_prepacking(model: ir.Model) -> bool | None:
+    """Whether onnxruntime's CPU prepacking helps the graph: True when it has a MatMulNBits (in If bodies included),
+    whose packed form is its fast path; False when its MatMul weights are all float, which prepacking only copies into
+    a packed buffer (a float MatMul is as fast without); None when it has neither (e.g. the embedding's lookup)."""
     float_weights = False
     for node in ir.traversal.RecursiveGraphIterator(model.graph):
         if node.op_type == "MatMulNBits":
-            return False
+            return True
         float_weights = float_weights or is_quantizable_matmul(node)
-    return float_weights
+    return False if float_weights else None
 
 
 SchemeChoice = QuantScheme | Callable[[ir.Node], QuantScheme | None]

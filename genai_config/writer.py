@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -69,12 +69,13 @@ def make_genai_config(
     share_kv_buffer: bool = True,
     generation: Mapping[str, Any] | None = None,
     provider_options: list[dict[str, Any]] | None = None,
-    float_weight_components: Collection[Component] = (),
+    prepacking: Mapping[Component, bool] | None = None,
 ) -> dict[str, Any]:
     """The genai_config.json content. `specs`/`filenames` must cover decoder, embedding and vision; speech is
     optional (without it the speech section only disables speech, as the runtime requires). `provider_options`
-    defaults to PROVIDER_OPTIONS[execution_provider]; the build passes the decoder builder's own. On cpu the
-    sessions of `float_weight_components` (graphs whose MatMul weights are all float) get UNPACKED_WEIGHTS_ENTRIES."""
+    defaults to PROVIDER_OPTIONS[execution_provider]; the build passes the decoder builder's own. `prepacking` says
+    which components' graphs want onnxruntime's CPU prepacking (True: MatMulNBits) and which run unpacked (False: all
+    MatMul weights float; on cpu their sessions get UNPACKED_WEIGHTS_ENTRIES); the others follow the decoder's."""
     for needed in (Component.DECODER, Component.EMBEDDING, Component.VISION):
         if needed not in specs:
             raise ValueError(f"a phi4mm package needs the {needed.value} model")
@@ -86,9 +87,12 @@ def make_genai_config(
         provider_options = PROVIDER_OPTIONS[execution_provider]
     session = {"log_id": "onnxruntime-genai", "provider_options": provider_options}
     unpacked = {**session, **UNPACKED_WEIGHTS_ENTRIES}
+    prepacking = prepacking or {}
 
-    def session_of(component: Component) -> dict[str, Any]:
-        return unpacked if execution_provider == "cpu" and component in float_weight_components else session
+    def session_of(component: Component, otherwise: dict[str, Any]) -> dict[str, Any]:
+        if execution_provider != "cpu" or component not in prepacking:
+            return otherwise
+        return session if prepacking[component] else unpacked
 
     model: dict[str, Any] = {
         "type": "phi4mm",
@@ -98,7 +102,7 @@ def make_genai_config(
         "pad_token_id": config.pad_token_id,
         "eos_token_id": list(config.eos_token_ids),
         "decoder": {
-            "session_options": session_of(Component.DECODER),
+            "session_options": session_of(Component.DECODER, session),
             "filename": filenames[Component.DECODER],
             "hidden_size": text.hidden_size,
             "head_size": text.head_dim,
@@ -117,7 +121,7 @@ def make_genai_config(
         ),
     }
     for component in (Component.EMBEDDING, Component.VISION, Component.SPEECH):
-        own = session_of(component)
+        own = session_of(component, model["decoder"]["session_options"])
         if component in specs and own != model["decoder"]["session_options"]:
             model[component.value] = {"session_options": own, **model[component.value]}
     embedding_ids = specs[Component.EMBEDDING].inputs[0].name

@@ -58,18 +58,24 @@ def test_float_weight_sessions_run_unpacked_on_cpu(tiny_config) -> None:
     files = {c: f"{c.value}.onnx" for c in specs}
     unpacked = {"session.disable_prepacking": "1"}
 
-    every = make_genai_config(tiny_config, specs, files, "cpu", float_weight_components=set(Component))["model"]
+    fp32 = {Component.VISION: False, Component.SPEECH: False, Component.DECODER: False}  # the embedding: no MatMul
+    every = make_genai_config(tiny_config, specs, files, "cpu", prepacking=fp32)["model"]
     assert every["decoder"]["session_options"].items() >= unpacked.items()
     assert all("session_options" not in every[c] for c in ("vision", "speech", "embedding"))  # the decoder's fallback
 
-    encoders = make_genai_config(tiny_config, specs, files, "cpu",
-                                 float_weight_components={Component.VISION, Component.SPEECH})["model"]
+    float_encoders = {**fp32, Component.DECODER: True}
+    encoders = make_genai_config(tiny_config, specs, files, "cpu", prepacking=float_encoders)["model"]
     assert "session.disable_prepacking" not in encoders["decoder"]["session_options"]
     for section in ("vision", "speech"):
         assert encoders[section]["session_options"] == {**encoders["decoder"]["session_options"], **unpacked}
     assert "session_options" not in encoders["embedding"]
 
-    cuda = make_genai_config(tiny_config, specs, files, "cuda", float_weight_components=set(Component))["model"]
+    inverse = {Component.VISION: True, Component.DECODER: False}
+    mixed = make_genai_config(tiny_config, specs, files, "cpu", prepacking=inverse)["model"]
+    assert mixed["vision"]["session_options"] == {"log_id": "onnxruntime-genai", "provider_options": []}
+    assert "session_options" not in mixed["speech"] and "session_options" not in mixed["embedding"]
+
+    cuda = make_genai_config(tiny_config, specs, files, "cuda", prepacking=fp32)["model"]
     assert all("session.disable_prepacking" not in cuda[c].get("session_options", {}) for c in cuda
                if isinstance(cuda[c], dict))
 
@@ -80,6 +86,7 @@ def test_built_packages_unpack_exactly_their_float_graphs(tmp_path_factory, tiny
 
     fp32 = json.loads((tiny_package / "genai_config.json").read_text())["model"]
     assert fp32["decoder"]["session_options"]["session.disable_prepacking"] == "1"
+    assert all("session_options" not in fp32[c] for c in ("vision", "speech", "embedding"))
     output = tmp_path_factory.mktemp("float-encoders") / "package"
     build(BuildOptions(model_dir=tiny_checkpoint, output_dir=output, precision="int4", lora="none",
                        quantize_encoders=False, max_length=256), progress=False)
@@ -87,4 +94,5 @@ def test_built_packages_unpack_exactly_their_float_graphs(tmp_path_factory, tiny
     assert "session.disable_prepacking" not in int4["decoder"]["session_options"]  # MatMulNBits: packed is fast
     assert int4["vision"]["session_options"]["session.disable_prepacking"] == "1"
     assert int4["speech"]["session_options"]["session.disable_prepacking"] == "1"
+    assert "session_options" not in int4["embedding"]
     og.Model(str(output)).create_multimodal_processor()  # the runtime takes the per-section options

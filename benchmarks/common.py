@@ -13,6 +13,7 @@ import os
 import platform
 import re
 import resource
+import shlex
 import statistics
 import sys
 import threading
@@ -286,7 +287,7 @@ def make_media(folder: Path, image_size: tuple[int, int], audio_seconds: float) 
 
 def command_line(script: str, argv: Sequence[str] | None) -> str:
     """The command that ran a benchmark, as the reports quote it."""
-    return f"python benchmarks/{script} " + " ".join(sys.argv[1:] if argv is None else argv)
+    return f"python benchmarks/{script} " + shlex.join(sys.argv[1:] if argv is None else argv)
 
 
 def publish(results: dict[str, Any], out: str | Path, doc: str, heading: str, body: str) -> None:

@@ -27,7 +27,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import command_line, fmt, machine_info, machine_markdown, peak_rss_bytes, publish  # noqa: E402
+from common import (  # noqa: E402
+    command_line,
+    fmt,
+    greedy_text_answer,
+    machine_info,
+    machine_markdown,
+    peak_rss_bytes,
+    publish,
+)
 
 from builder_plugin.extra_options import DEFAULT_ALGO_CONFIG  # noqa: E402
 from builder_plugin.layout import DATA_FILES, Component  # noqa: E402
@@ -69,27 +77,10 @@ def build_choice(name: str, checkpoint: Path, output: Path) -> dict:
 
 def decode(package: Path, new_tokens: int) -> dict:
     """One greedy answer in this process, as an app makes it."""
-    import onnxruntime_genai as og
-
-    started = time.perf_counter()
-    model = og.Model(str(package))
-    tokenizer = og.Tokenizer(model)
-    loaded = time.perf_counter()
-    ids = tokenizer.encode(f"<|user|>{QUESTION}<|end|><|assistant|>")
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(ids) + new_tokens + 1, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(ids)
-    generator.generate_next_token()
-    first = time.perf_counter()
-    steps = []
-    for _ in range(new_tokens):
-        before = time.perf_counter()
-        generator.generate_next_token()
-        steps.append(time.perf_counter() - before)
-    return {"load_s": loaded - started, "prompt_tokens": len(ids), "prefill_s": first - loaded,
-            "decode_tokens_per_s_median": 1 / statistics.median(steps), "decode_tokens_per_s_best": 1 / min(steps),
-            "decode_peak_rss_bytes": peak_rss_bytes()}
+    answer = greedy_text_answer(package, QUESTION, new_tokens)
+    return {"load_s": answer["load_s"], "prompt_tokens": answer["prompt_tokens"], "prefill_s": answer["prefill_s"],
+            "decode_tokens_per_s_median": 1 / statistics.median(answer["step_s"]),
+            "decode_tokens_per_s_best": 1 / min(answer["step_s"]), "decode_peak_rss_bytes": peak_rss_bytes()}
 
 
 def _git_commit() -> str:

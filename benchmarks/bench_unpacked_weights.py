@@ -20,15 +20,22 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import command_line, fmt, machine_info, machine_markdown, peak_rss_bytes, publish, rss_split  # noqa: E402
+from common import (  # noqa: E402
+    RssSplitPeaks,
+    command_line,
+    fmt,
+    greedy_text_answer,
+    machine_info,
+    machine_markdown,
+    peak_rss_bytes,
+    publish,
+)
 
 from genai_config.writer import GENAI_CONFIG_FILE, UNPACKED_WEIGHTS_ENTRIES  # noqa: E402
 
@@ -59,40 +66,12 @@ def unpacked_sessions(package: Path) -> list[str]:
 
 def measure(package: Path, new_tokens: int) -> dict:
     """One answer in this process: load, prefill, `new_tokens` greedy steps, with the memory sampled throughout."""
-    import onnxruntime_genai as og
-
-    peaks = {"RssAnon": 0, "RssFile": 0}
-    done = threading.Event()
-
-    def sample() -> None:
-        while not done.is_set():
-            for field, value in rss_split().items():
-                peaks[field] = max(peaks[field], value)
-            done.wait(0.05)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    started = time.perf_counter()
-    model = og.Model(str(package))
-    tokenizer = og.Tokenizer(model)
-    loaded = time.perf_counter()
-    ids = tokenizer.encode(f"<|user|>{QUESTION}<|end|><|assistant|>")
-    params = og.GeneratorParams(model)
-    params.set_search_options(max_length=len(ids) + new_tokens + 1, do_sample=False)
-    generator = og.Generator(model, params)
-    generator.append_tokens(ids)
-    generator.generate_next_token()
-    first = time.perf_counter()
-    tokens = [int(generator.get_next_tokens()[0])]
-    for _ in range(new_tokens):
-        generator.generate_next_token()
-        tokens.append(int(generator.get_next_tokens()[0]))
-    finished = time.perf_counter()
-    done.set()
-    sampler.join()
-    return {"load_s": loaded - started, "first_token_s": first - loaded, "prompt_tokens": len(ids),
-            "decode_tokens_per_s": new_tokens / (finished - first), "peak_rss_bytes": peak_rss_bytes(),
-            "peak_private_bytes": peaks["RssAnon"], "peak_file_bytes": peaks["RssFile"], "tokens": tokens}
+    with RssSplitPeaks() as memory:
+        answer = greedy_text_answer(package, QUESTION, new_tokens)
+    return {"load_s": answer["load_s"], "first_token_s": answer["prefill_s"], "prompt_tokens": answer["prompt_tokens"],
+            "decode_tokens_per_s": new_tokens / sum(answer["step_s"]), "peak_rss_bytes": peak_rss_bytes(),
+            "peak_private_bytes": memory.peaks["RssAnon"], "peak_file_bytes": memory.peaks["RssFile"],
+            "tokens": answer["tokens"]}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -102,6 +102,29 @@ def rss_split() -> dict[str, int]:
     return found
 
 
+class RssSplitPeaks:
+    """The largest anonymous and file-backed resident bytes seen while the block runs (sampled every 50 ms)."""
+
+    def __init__(self) -> None:
+        self.peaks = {"RssAnon": 0, "RssFile": 0}
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def _sample(self) -> None:
+        while not self._done.is_set():
+            for field, value in rss_split().items():
+                self.peaks[field] = max(self.peaks[field], value)
+            self._done.wait(0.05)
+
+    def __enter__(self) -> RssSplitPeaks:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._done.set()
+        self._thread.join()
+
+
 def reset_peak_rss() -> bool:
     """Reset VmHWM to the current RSS (Linux: write 5 to /proc/self/clear_refs); False where not supported."""
     try:
@@ -283,6 +306,32 @@ def make_media(folder: Path, image_size: tuple[int, int], audio_seconds: float) 
     make_image(folder / "photo.png", *image_size, seed=3)
     make_wav(folder / "clip.wav", audio_seconds, sample_rate=16000, seed=4)
     return folder
+
+
+def greedy_text_answer(package: str | Path, question: str, new_tokens: int) -> dict[str, Any]:
+    """Load `package` with onnxruntime-genai in this process, as an app does, and answer one text question greedily:
+    load time, prompt tokens, prefill (to the first token), the time of each later step, the tokens."""
+    import onnxruntime_genai as og
+
+    started = time.perf_counter()
+    model = og.Model(str(package))
+    tokenizer = og.Tokenizer(model)
+    loaded = time.perf_counter()
+    ids = tokenizer.encode(f"<|user|>{question}<|end|><|assistant|>")
+    params = og.GeneratorParams(model)
+    params.set_search_options(max_length=len(ids) + new_tokens + 1, do_sample=False)
+    generator = og.Generator(model, params)
+    generator.append_tokens(ids)
+    generator.generate_next_token()
+    first = time.perf_counter()
+    tokens, steps = [int(generator.get_next_tokens()[0])], []
+    for _ in range(new_tokens):
+        before = time.perf_counter()
+        generator.generate_next_token()
+        steps.append(time.perf_counter() - before)
+        tokens.append(int(generator.get_next_tokens()[0]))
+    return {"load_s": loaded - started, "prompt_tokens": len(ids), "prefill_s": first - loaded, "step_s": steps,
+            "tokens": tokens}
 
 
 def command_line(script: str, argv: Sequence[str] | None) -> str:

@@ -27,7 +27,6 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from common import (  # noqa: E402
-    RssSplitPeaks,
     command_line,
     fmt,
     greedy_text_answer,
@@ -37,6 +36,7 @@ from common import (  # noqa: E402
     publish,
 )
 
+from builder_plugin.memory import MemorySampler  # noqa: E402
 from genai_config.writer import GENAI_CONFIG_FILE, UNPACKED_WEIGHTS_ENTRIES  # noqa: E402
 
 QUESTION = "Tell me a story about a lighthouse keeper and the ships he counted."
@@ -66,11 +66,11 @@ def unpacked_sessions(package: Path) -> list[str]:
 
 def measure(package: Path, new_tokens: int) -> dict:
     """One answer in this process: load, prefill, `new_tokens` greedy steps, with the memory sampled throughout."""
-    with RssSplitPeaks() as memory:
+    with MemorySampler(interval_s=0.05) as memory:
         answer = greedy_text_answer(package, QUESTION, new_tokens)
     return {"load_s": answer["load_s"], "first_token_s": answer["prefill_s"], "prompt_tokens": answer["prompt_tokens"],
             "decode_tokens_per_s": new_tokens / sum(answer["step_s"]), "peak_rss_bytes": peak_rss_bytes(),
-            "peak_private_bytes": memory.peaks["RssAnon"], "peak_file_bytes": memory.peaks["RssFile"],
+            "peak_private_bytes": memory.peak_private, "peak_file_bytes": memory.peak_file,
             "tokens": answer["tokens"]}
 
 

@@ -102,29 +102,6 @@ def rss_split() -> dict[str, int]:
     return found
 
 
-class RssSplitPeaks:
-    """The largest anonymous and file-backed resident bytes seen while the block runs (sampled every 50 ms)."""
-
-    def __init__(self) -> None:
-        self.peaks = {"RssAnon": 0, "RssFile": 0}
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _sample(self) -> None:
-        while not self._done.is_set():
-            for field, value in rss_split().items():
-                self.peaks[field] = max(self.peaks[field], value)
-            self._done.wait(0.05)
-
-    def __enter__(self) -> RssSplitPeaks:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._done.set()
-        self._thread.join()
-
-
 def reset_peak_rss() -> bool:
     """Reset VmHWM to the current RSS (Linux: write 5 to /proc/self/clear_refs); False where not supported."""
     try:

@@ -9,16 +9,15 @@ import gc
 import resource
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
-import psutil
 from tqdm import tqdm
 
 from builder_plugin.errors import BuildError
+from builder_plugin.memory import MemorySampler
 from builder_plugin.runtime import ChatError
 from builder_plugin.testing.reference import ReferenceModelError
 from builder_plugin.verify.engine import EngineError, run_package
@@ -97,7 +96,7 @@ def verify(args: argparse.Namespace) -> Report:
         cases = build_cases(modes, Path(media), args.prompt, args.image, args.audio)
         started = time.perf_counter()
         steps = len(cases) * args.max_new_tokens
-        with _MemorySampler() as package_memory, tqdm(total=steps, desc="package: onnxruntime-genai", leave=False,
+        with MemorySampler() as package_memory, tqdm(total=steps, desc="package: onnxruntime-genai", leave=False,
                                                       disable=args.no_progress) as bar:
             runs = run_package(str(package), cases, args.max_new_tokens, on_step=bar.update)
         timings["package"] = time.perf_counter() - started
@@ -106,7 +105,7 @@ def verify(args: argparse.Namespace) -> Report:
     gc.collect()  # the og models are gone before the reference loads anything: peak memory is the larger side
 
     started = time.perf_counter()
-    with _MemorySampler() as reference_memory:
+    with MemorySampler() as reference_memory:
         reference_logits = reference.logits([TeacherForced(r.inputs, r.tokens) for r in runs], progress)
     timings["reference"] = time.perf_counter() - started
     peak_gb["reference"] = reference_memory.peak_rss / 1e9
@@ -118,35 +117,6 @@ def verify(args: argparse.Namespace) -> Report:
     verdicts = [judge(mode, [m for m in metrics if m.mode == mode], threshold) for mode in modes]
     return Report(str(package), str(args.checkpoint), reference.config.source_format, precision, graphs, threshold,
                   args.max_new_tokens, verdicts, metrics, timings, peak_gb, private_gb)
-
-
-class _MemorySampler:
-    """The largest resident set seen while the block runs (the process peak would include the package side), and the
-    largest private part of it: the resident set less the pages mapped from files, which for a package whose float
-    weights run unpacked are those weights, read from the page cache."""
-
-    def __init__(self, interval_s: float = 0.1) -> None:
-        self.peak_rss = 0
-        self.peak_private = 0
-        self._interval = interval_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-
-    def _sample(self) -> None:
-        process = psutil.Process()
-        while not self._stop.is_set():
-            memory = process.memory_info()
-            self.peak_rss = max(self.peak_rss, memory.rss)
-            self.peak_private = max(self.peak_private, memory.rss - getattr(memory, "shared", 0))
-            self._stop.wait(self._interval)
-
-    def __enter__(self) -> _MemorySampler:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._stop.set()
-        self._thread.join()
 
 
 def _peak_rss_gb() -> float:

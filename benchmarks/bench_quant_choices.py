@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import (  # noqa: E402
     command_line,
     fmt,
+    git_state,
     greedy_text_answer,
     machine_info,
     machine_markdown,
@@ -83,11 +84,10 @@ def decode(package: Path, new_tokens: int) -> dict:
             "decode_tokens_per_s_best": 1 / min(answer["step_s"]), "decode_peak_rss_bytes": peak_rss_bytes()}
 
 
-def _git_commit() -> str:
-    found = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
-    dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", "builder_plugin", "genai_config"],
-                           capture_output=True, text=True).stdout.strip()
-    return found.stdout.strip() + ("+changes" if dirty else "")
+def _commit() -> str:
+    """The short commit, marked when the builder's sources differ from it."""
+    state = git_state("builder_plugin", "genai_config")
+    return state["commit"][:7] + ("+changes" if state["modified_files"] else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in choices:
         package = args.work / f"quant-{name}"
         print(f"{name}: building", file=sys.stderr, flush=True)
-        entry = {"commit": _git_commit(), "load_average_before": os.getloadavg()[0], "note": args.note,
+        entry = {"commit": _commit(), "load_average_before": os.getloadavg()[0], "note": args.note,
                  **build_choice(name, args.checkpoint, package)}
         print(f"{name}: decoding", file=sys.stderr, flush=True)
         child = subprocess.run([sys.executable, __file__, "--decode", str(package), "--new-tokens",

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -70,7 +69,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import machine_info, memcpy_bandwidth, read_bandwidth  # noqa: E402
+from common import git_state, machine_info, memcpy_bandwidth, read_bandwidth  # noqa: E402
 from runtime_bench import BACKENDS, PRECISIONS, PROMPT_NAMES, REAL_TEXT_LAYERS, VARIANT_FILES  # noqa: E402
 from runtime_bench.decoder_graph import decode_weight_bytes, logits_positions  # noqa: E402
 from runtime_bench.prepare import (  # noqa: E402
@@ -233,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
                         for p in prompts},
             "checkpoints": {str(k): str(v) for k, v in checkpoints.items()},
             "builds": builds, "setup_s": setup_s, "measure_s": measure_s, "builder_fingerprint": fingerprint,
-            "logits_positions": logits_dims, "git": _git_state(),
+            "logits_positions": logits_dims, "git": git_state(),
         },
         "bandwidth": bandwidth,
         "decoder_weight_bytes": weights,
@@ -264,14 +263,6 @@ def measure_full_depth(package: Path, text: list[Prompt], args: argparse.Namespa
     return {"package": str(package), "backend": f"ort-{precision}",
             "layers": int(config["model"]["decoder"]["num_hidden_layers"]), "weights": graph,
             "text": merge_runs(parts)}
-
-
-def _git_state() -> dict[str, Any]:
-    def git(*arguments: str) -> str:
-        done = subprocess.run(["git", "-C", str(ROOT), *arguments], capture_output=True, text=True)
-        return done.stdout.strip()
-
-    return {"commit": git("rev-parse", "HEAD"), "modified_files": git("status", "--porcelain").splitlines()}
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import re
 import resource
 import shlex
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -309,6 +310,17 @@ def greedy_text_answer(package: str | Path, question: str, new_tokens: int) -> d
         tokens.append(int(generator.get_next_tokens()[0]))
     return {"load_s": loaded - started, "prompt_tokens": len(ids), "prefill_s": first - loaded, "step_s": steps,
             "tokens": tokens}
+
+
+def git_state(*paths: str) -> dict[str, Any]:
+    """The checkout's commit and its modified files (under `paths` when given), for a result to name its code."""
+    def git(*arguments: str) -> str:
+        done = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), *arguments],
+                              capture_output=True, text=True)
+        return done.stdout.strip()
+
+    return {"commit": git("rev-parse", "HEAD"),
+            "modified_files": git("status", "--porcelain", *(("--", *paths) if paths else ())).splitlines()}
 
 
 def command_line(script: str, argv: Sequence[str] | None) -> str:

@@ -180,7 +180,7 @@ def build(options: BuildOptions, progress: bool = True) -> BuildResult:
             _write_runtime_configs(staging, config, options, specs, filenames, runtime, runtime_inputs,
                                    prepacking)
         else:  # graphs only: no runtime manifest, but still where the package came from
-            provenance = provenance_json(options.source, options.provenance())
+            provenance = provenance_json(options.source_record, options.provenance())
             write_json(staging / MANIFEST_FILE, {"format": FORMAT_VERSION, **provenance})
         for name in TOKENIZER_FILES:
             if (options.model_dir / name).is_file():
@@ -206,7 +206,7 @@ def _write_runtime_configs(folder: Path, config: Phi4MMConfig, options: BuildOpt
                               provider_options=list(runtime.provider_options), prepacking=prepacking)
     write_json(folder / GENAI_CONFIG_FILE, genai)
     Manifest(runtime.decoders, runtime.routing, config.text.original_max_position_embeddings,
-             source=options.source, builder=options.provenance()).write(folder)
+             source=options.source_record, builder=options.provenance()).write(folder)
     write_json(folder / VISION_PROCESSOR_FILE, vision_processor_config(config.vision.crop_size, inputs.dynamic_hd))
     if Component.SPEECH in specs:
         write_json(folder / SPEECH_PROCESSOR_FILE, speech_processor_config(config.audio.compression_rate))

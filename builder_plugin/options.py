@@ -44,6 +44,11 @@ class BuildOptions:
     extra_options: dict[str, str] = field(default_factory=dict)
     source: dict[str, Any] | None = None  # where the checkpoint came from (hub.ModelSource.provenance)
 
+    @property
+    def source_record(self) -> dict[str, Any]:
+        """Where the checkpoint came from, as manifest.json records it: the hub source, else the local folder."""
+        return self.source or {"local_folder": str(Path(self.model_dir).resolve())}
+
     def provenance(self) -> dict[str, Any]:
         """The builder and the options it ran with, as manifest.json records them."""
         from builder_plugin import __version__

@@ -151,8 +151,18 @@ class LocalHub:
             self.log.clear()
 
     def downloads(self) -> list[str]:
-        """Repository paths (or storage paths) whose bytes a GET sent, in order."""
-        return [r.path for r in self.log if r.method == "GET" and r.sent > 0 and "/api/" not in r.path]
+        """Repository paths of the files whose bytes a GET sent (through a resolve URL or a storage redirect), in
+        the order the transfers ended."""
+        paths = []
+        for r in list(self.log):
+            if r.method != "GET" or r.sent == 0 or r.path.startswith("/api/"):
+                continue
+            parts = r.path.strip("/").split("/")
+            if parts[-1] in self._by_sha256:
+                paths.append(self._by_sha256[parts[-1]].path)
+            elif len(parts) >= 5 and parts[2] == "resolve":
+                paths.append("/".join(parts[4:]))
+        return paths
 
     def _take_fault(self, kind: str, repo_id: str, path: str | None) -> _Fault | None:
         with self._lock:

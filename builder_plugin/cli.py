@@ -170,7 +170,7 @@ def _run(args: argparse.Namespace) -> int:
 
         disable_progress_bars()
     source = open_source(args.model_name, args.input, Path(args.cache_dir) if args.cache_dir else None,
-                         args.revision)
+                         args.revision, dry_run=args.dry_run)
     model_dir = source.folder
     if args.list_routes:
         from builder_plugin.checkpoint.routing import describe_routes

@@ -41,6 +41,7 @@ METADATA_FILES = (
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # each native adapter folder's two files
 DEFAULT_REVISION = "main"
 RETRY_DELAYS_S = (1.0, 2.0)  # a failed hub call is tried len + 1 times
+_TRUE = ("1", "ON", "YES", "TRUE")
 _TRANSPORT_MODULES = ("httpx", "httpx2", "httpcore")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
 _T = TypeVar("_T")
@@ -75,32 +76,38 @@ class ModelSource:
 
     @property
     def download_bytes(self) -> int:
-        return sum(f.to_download for f in self.weights)
+        return sum(f.to_download for f in self.metadata + self.weights)
 
     @property
     def cache_dir(self) -> Path | None:
         return self.hub.cache_dir if self.hub else None
 
     def fetch(self) -> None:
-        """Download the weight files not in the cache yet (nothing for a local folder)."""
+        """Download the files not in the cache yet (nothing for a local folder)."""
         if self.hub is not None:
+            for f in self.metadata:
+                if not f.cached:
+                    self.hub.download(f.path)
             self.hub.fetch([f for f in self.weights if not f.cached])
 
 
 def open_source(model_name: str | None, input_dir: str | None, cache_dir: Path | None,
-                revision: str | None = None) -> ModelSource:
+                revision: str | None = None, dry_run: bool = False) -> ModelSource:
     """The checkpoint to build from: -i wins over -m; -m may also name a local folder. A hub model has its config
-    and metadata fetched (and checked) here, its weights only by `ModelSource.fetch`."""
+    and metadata fetched (and checked) here, its weights only by `ModelSource.fetch`; for a dry run only the files
+    that tell what a build would be (config.json, the weight index, a native layout's adapter configs)."""
     if input_dir or (model_name and Path(model_name).expanduser().is_dir()):
         path = Path(input_dir or model_name).expanduser()
         if not path.is_dir():
             raise InputError(f"input folder not found: {path}")
         if revision:
             raise InputError("--revision picks a version of a hub model; it does not apply to a local folder")
-        return ModelSource(path, {"local_folder": str(path.resolve())}, local_weights(path))
+        metadata = [SourceFile(n, (path / n).stat().st_size, True) for n in (CONFIG_FILE, *METADATA_FILES)
+                    if (path / n).is_file()]
+        return ModelSource(path, {"local_folder": str(path.resolve())}, local_weights(path), metadata)
     if not model_name:
         raise InputError("give a model: -m <hugging face id> or -i <local folder>")
-    return _HubModel(model_name, revision or DEFAULT_REVISION, cache_dir).open()
+    return _HubModel(model_name, revision or DEFAULT_REVISION, cache_dir).open(light=dry_run)
 
 
 def local_weights(folder: Path) -> list[SourceFile]:
@@ -143,8 +150,9 @@ class _HubModel:
         self.repo_id = repo_id
         self.revision = revision
         self.cache_dir = Path(cache_dir or constants.HF_HUB_CACHE).expanduser().resolve()
-        self.endpoint = os.environ.get("HF_ENDPOINT") or constants.ENDPOINT  # read now: tests start hubs late
-        self.offline = constants.is_offline_mode()
+        # read now, not when huggingface_hub was imported (it reads them then): a test sets them in-process
+        self.endpoint = os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
+        self.offline = constants.is_offline_mode() or os.environ.get("HF_HUB_OFFLINE", "").upper() in _TRUE
         self.commit: str | None = revision if _COMMIT.match(revision) else None
         self.sizes: dict[str, int] = {}  # from the hub: every file's size
         self.lfs: dict[str, str] = {}  # from the hub: each LFS file's sha256, the name of its blob in the cache
@@ -157,7 +165,7 @@ class _HubModel:
         return self.repo_id if self.revision == DEFAULT_REVISION else f"{self.repo_id} (revision {self.revision})"
 
     # --- opening: commit, config, metadata, weight list --------------------------------------------------------
-    def open(self) -> ModelSource:
+    def open(self, light: bool = False) -> ModelSource:
         if not self.offline:
             try:
                 self._resolve_online()
@@ -170,7 +178,7 @@ class _HubModel:
         if self.offline and not self._cached_commit():
             raise InputError(f"offline (HF_HUB_OFFLINE=1) and {self.label} is not in the cache {self.cache_dir}; "
                              "run once online to download it")
-        config = Path(self._download(CONFIG_FILE))
+        config = Path(self.download(CONFIG_FILE))
         folder = config.parent
         model_type = _model_type(folder)
         if model_type not in (ORIGINAL_MODEL_TYPE, NATIVE_MODEL_TYPE):
@@ -180,13 +188,19 @@ class _HubModel:
                 f"{arch!r}); expected model_type {ORIGINAL_MODEL_TYPE!r} or {NATIVE_MODEL_TYPE!r}; no weights "
                 "were downloaded")
         wanted = list(METADATA_FILES)
+        essential = {INDEX_FILE}  # what a dry run needs: the weight list and, native, the adapters' settings
         if model_type == NATIVE_MODEL_TYPE:
-            wanted += [f"{d}/{ADAPTER_FILES[0]}" for d in NATIVE_ADAPTER_DIRS.values()]
+            essential |= {f"{d}/{ADAPTER_FILES[0]}" for d in NATIVE_ADAPTER_DIRS.values()}
+            wanted += sorted(essential - {INDEX_FILE})
         metadata = [SourceFile(CONFIG_FILE, config.stat().st_size, True)]
         for name in wanted:
-            if self._exists(name, folder):
-                path = Path(self._download(name))
-                metadata.append(SourceFile(name, path.stat().st_size, True))
+            if not self._exists(name, folder):
+                continue
+            if light and name not in essential and not (folder / name).is_file():
+                metadata.append(SourceFile(name, self.sizes.get(name), False))
+                continue
+            path = Path(self.download(name))
+            metadata.append(SourceFile(name, path.stat().st_size, True))
         weights = [self._weight(p, folder) for p in weight_files(folder, lambda p: self._exists(p, folder))]
         missing = [w.path for w in weights if not w.cached]
         if self.offline and missing:
@@ -232,7 +246,7 @@ class _HubModel:
         return SourceFile(path, self.sizes[path], False, partial.stat().st_size if partial and partial.is_file() else 0)
 
     # --- downloading ------------------------------------------------------------------------------------------
-    def _download(self, path: str) -> str:
+    def download(self, path: str) -> str:
         """A small file through huggingface_hub's own download (into the cache, or from it offline)."""
         from huggingface_hub import hf_hub_download
 
@@ -243,7 +257,7 @@ class _HubModel:
     def fetch(self, files: list[SourceFile]) -> None:
         for f in files:
             self._fetch_resumable(f)
-            self._download(f.path)  # links the snapshot entry to the blob, as huggingface_hub lays out its cache
+            self.download(f.path)  # links the snapshot entry to the blob, as huggingface_hub lays out its cache
 
     def _fetch_resumable(self, f: SourceFile) -> None:
         from huggingface_hub import get_hf_file_metadata, hf_hub_url

@@ -42,12 +42,12 @@ class Plan:
                      f"{prov['endpoint']}, cached in {s.cache_dir}"]
         else:
             lines = [f"model: local folder {prov['local_folder']}"]
-        todo = [f for f in s.weights if not f.cached]
+        todo = [f for f in s.metadata + s.weights if not f.cached]
         if todo:
-            lines.append(f"would download {len(todo)} weight file(s), {human(s.download_bytes)}:")
+            lines.append(f"would download {len(todo)} file(s), {human(s.download_bytes)}:")
         else:
-            lines.append("weights: all on disk, nothing to download")
-        for f in s.weights:
+            lines.append("nothing to download: every file is on disk")
+        for f in s.metadata + s.weights:
             state = "on disk" if f.cached else (f"resume at {human(f.partial)}" if f.partial else "download")
             lines.append(f"  {f.path}  {human(f.size) if f.size is not None else '?'}  ({state})")
         components = [c.value for c in BUILD_ORDER if c in o.components]
@@ -55,7 +55,7 @@ class Plan:
         lines.append(f"  decoder layout: --lora {o.lora}: {decoder_layout(o)}")
         lines.append(f"  quantization: {quantization(o)}")
         lines.append(f"expected package size: about {human(self.package_bytes)} in {o.output_dir}")
-        lines.append("dry run: no weights downloaded, nothing written")
+        lines.append("dry run: no weights downloaded, no package written")
         return "\n".join(lines)
 
 

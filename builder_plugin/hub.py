@@ -153,6 +153,7 @@ class _HubModel:
         # read now, not when huggingface_hub was imported (it reads them then): a test sets them in-process
         self.endpoint = os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
         self.offline = constants.is_offline_mode() or os.environ.get("HF_HUB_OFFLINE", "").upper() in _TRUE
+        self.why_offline = "offline (HF_HUB_OFFLINE=1)"
         self.commit: str | None = revision if _COMMIT.match(revision) else None
         self.sizes: dict[str, int] = {}  # from the hub: every file's size
         self.lfs: dict[str, str] = {}  # from the hub: each LFS file's sha256, the name of its blob in the cache
@@ -175,8 +176,9 @@ class _HubModel:
                 print(f"warning: {exc}; building {self.label} from the cache (commit {self.commit[:12]})",
                       file=sys.stderr)
                 self.offline = True
+                self.why_offline = "the hub is unreachable"
         if self.offline and not self._cached_commit():
-            raise InputError(f"offline (HF_HUB_OFFLINE=1) and {self.label} is not in the cache {self.cache_dir}; "
+            raise InputError(f"{self.why_offline} and {self.label} is not in the cache {self.cache_dir}; "
                              "run once online to download it")
         config = Path(self.download(CONFIG_FILE))
         folder = config.parent
@@ -204,7 +206,7 @@ class _HubModel:
         weights = [self._weight(p, folder) for p in weight_files(folder, lambda p: self._exists(p, folder))]
         missing = [w.path for w in weights if not w.cached]
         if self.offline and missing:
-            raise InputError(f"offline (HF_HUB_OFFLINE=1) and {self.label} is only partly in the cache "
+            raise InputError(f"{self.why_offline} and {self.label} is only partly in the cache "
                              f"{self.cache_dir}: {len(missing)} weight file(s) missing ({missing[0]}...); run once "
                              "online to finish the download")
         provenance = {"repository": self.repo_id, "revision": self.revision, "commit": self.commit,
@@ -324,14 +326,14 @@ class _HubModel:
                                  "with `hf auth login` or set HF_TOKEN)") from exc
             except RevisionNotFoundError as exc:
                 raise InputError(f"{self.repo_id} has no revision {self.revision!r}") from exc
-            except EntryNotFoundError as exc:
-                raise InputError(f"{self.label} has no file {what}") from exc
-            except (OfflineModeIsEnabled, LocalEntryNotFoundError) as exc:
+            except (OfflineModeIsEnabled, LocalEntryNotFoundError) as exc:  # before EntryNotFoundError, its base
                 cause = exc.__cause__ or exc.__context__
                 if self.offline or isinstance(exc, OfflineModeIsEnabled) or cause is None:
-                    raise InputError(f"offline (HF_HUB_OFFLINE=1) and {what} of {self.label} is not in the cache "
+                    raise InputError(f"{self.why_offline} and {what} of {self.label} is not in the cache "
                                      f"{self.cache_dir}") from exc
                 error: BaseException = cause
+            except EntryNotFoundError as exc:
+                raise InputError(f"{self.label} has no file {what}") from exc
             except HfHubHTTPError as exc:
                 status = exc.response.status_code if exc.response is not None else None
                 if status is not None and status < 500 and status not in (408, 429):

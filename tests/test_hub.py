@@ -41,9 +41,11 @@ BUILD = ("-p", "fp32", "--components", "embedding", "--no-progress")  # the chea
 
 def _publish(folder: Path, checkpoint: Path, extra: dict[str, bytes]) -> Path:
     folder.mkdir(parents=True)
-    for item in checkpoint.iterdir():  # linked, not copied; a file `extra` replaces is written in its own right
-        if item.name not in extra:
-            (folder / item.name).symlink_to(item)
+    for item in checkpoint.rglob("*"):  # linked, not copied; a file `extra` replaces is written in its own right
+        rel = item.relative_to(checkpoint).as_posix()
+        if item.is_file() and rel not in extra:
+            (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+            (folder / rel).symlink_to(item)
     for rel, data in extra.items():
         (folder / rel).parent.mkdir(parents=True, exist_ok=True)
         (folder / rel).write_bytes(data)
@@ -300,3 +302,17 @@ def test_dry_run_of_a_local_folder_writes_nothing(tiny_checkpoint: Path, tmp_pat
     out = capsys.readouterr().out
     assert code == 0 and "local folder" in out and "nothing to download" in out and "int8" in out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_native_layout_downloads_its_adapter_folders(hub: LocalHub, in_process, tmp_path: Path,
+                                                    tiny_native_checkpoint: Path) -> None:
+    decoys = {k: v for k, v in DECOYS.items() if not k.endswith("-lora/") and "-lora/" not in k}
+    sha = hub.add_commit("org/native", _publish(tmp_path / "repo", tiny_native_checkpoint, decoys))
+    hub.clear_log()
+    result = in_process("-m", "org/native", "-o", str(tmp_path / "out"), *BUILD)
+    assert result.returncode == 0, result.stderr
+    adapters = {p.relative_to(tiny_native_checkpoint).as_posix() for p in tiny_native_checkpoint.glob("*-lora/*")}
+    assert adapters == {f"{d}/{f}" for d in ("vision-lora", "speech-lora")
+                        for f in ("adapter_config.json", "adapter_model.safetensors")}
+    assert set(hub.downloads()) == NEEDED | shards(tiny_native_checkpoint) | adapters
+    assert manifest(tmp_path / "out")["source"]["commit"] == sha

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+import builder_plugin
 from builder_plugin.testing.hub_server import LocalHub
 
 REPO = "org/phi4mm"
@@ -74,10 +75,13 @@ def hub(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path):
 
 def run(hub: LocalHub, hf_home: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("HF_") and k != "TRANSFORMERS_OFFLINE"}
+    root = str(Path(builder_plugin.__file__).resolve().parents[1])  # this copy of the package, from any folder
+    path = os.pathsep.join([root, *filter(None, [os.environ.get("PYTHONPATH")])])
     full_env = {**clean, "HF_ENDPOINT": hub.endpoint, "HF_HOME": str(hf_home), "HF_HUB_DISABLE_TELEMETRY": "1",
-                "PYTHONWARNINGS": "ignore", **env}
+                "PYTHONWARNINGS": "ignore", "PYTHONPATH": path, **env}
+    hf_home.parent.mkdir(parents=True, exist_ok=True)
     return subprocess.run([sys.executable, "-m", "builder_plugin", *args], capture_output=True, text=True,
-                          env=full_env, timeout=600)
+                          env=full_env, timeout=600, cwd=hf_home.parent)  # run from the folder HF_HOME is in
 
 
 @pytest.fixture
@@ -142,7 +146,7 @@ def test_downloads_exactly_what_a_build_needs_into_the_hf_cache(first_build, tin
     snapshot = work / "hf" / "hub" / "models--org--phi4mm" / "snapshots" / hub.main
     for name in shards(tiny_checkpoint) | {"tokenizer.json", "config.json"}:
         assert filecmp.cmp(snapshot / name, tiny_checkpoint / name, shallow=False), name
-    assert not Path("cache_dir").exists()  # nothing in the folder the command ran from
+    assert not (work / "cache_dir").exists()  # not in the folder the command ran from: in HF_HOME's cache
     source = manifest(work / "out")["source"]
     assert source == {"repository": REPO, "revision": "main", "commit": hub.main, "endpoint": hub.endpoint}
 

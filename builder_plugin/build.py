@@ -27,7 +27,7 @@ from builder_plugin.layout import DATA_FILES, GRAPH_FILES
 from builder_plugin.options import LORA_ADAPTERS, BuildOptions
 from builder_plugin.package import OutputFolder, PackageWriter
 from builder_plugin.quantize import QuantizationCache, wants_prepacking
-from builder_plugin.runtime.manifest import Manifest
+from builder_plugin.runtime.manifest import FORMAT_VERSION, MANIFEST_FILE, Manifest, provenance_json
 from builder_plugin.spec import Component, IOSpec, check_io
 from genai_config import (
     GENAI_CONFIG_FILE,
@@ -179,6 +179,9 @@ def build(options: BuildOptions, progress: bool = True) -> BuildResult:
         if runnable:
             _write_runtime_configs(staging, config, options, specs, filenames, runtime, runtime_inputs,
                                    prepacking)
+        else:  # graphs only: no runtime manifest, but still where the package came from
+            provenance = provenance_json(options.source_record, options.provenance())
+            write_json(staging / MANIFEST_FILE, {"format": FORMAT_VERSION, **provenance})
         for name in TOKENIZER_FILES:
             if (options.model_dir / name).is_file():
                 shutil.copy(options.model_dir / name, staging / name)
@@ -202,7 +205,8 @@ def _write_runtime_configs(folder: Path, config: Phi4MMConfig, options: BuildOpt
                               share_kv_buffer=runtime.past_present_share_buffer, generation=inputs.generation,
                               provider_options=list(runtime.provider_options), prepacking=prepacking)
     write_json(folder / GENAI_CONFIG_FILE, genai)
-    Manifest(runtime.decoders, runtime.routing, config.text.original_max_position_embeddings).write(folder)
+    Manifest(runtime.decoders, runtime.routing, config.text.original_max_position_embeddings,
+             source=options.source_record, builder=options.provenance()).write(folder)
     write_json(folder / VISION_PROCESSOR_FILE, vision_processor_config(config.vision.crop_size, inputs.dynamic_hd))
     if Component.SPEECH in specs:
         write_json(folder / SPEECH_PROCESSOR_FILE, speech_processor_config(config.audio.compression_rate))

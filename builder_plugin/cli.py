@@ -52,13 +52,18 @@ def make_parser() -> argparse.ArgumentParser:
     )
     src = p.add_argument_group("input and output")
     src.add_argument("-m", "--model_name", help="Hugging Face model id (or a local folder), "
-                     "e.g. microsoft/Phi-4-multimodal-instruct; only the needed files are downloaded")
+                     "e.g. microsoft/Phi-4-multimodal-instruct; only the files a build needs are downloaded (config, "
+                     "tokenizer and weights: no ONNX files, adapters of other layouts, code or samples); an "
+                     "interrupted download resumes on the next run; HF_HUB_OFFLINE=1 builds from the cache only")
+    src.add_argument("--revision", help="branch, tag or commit of the -m hub model (default: main); the commit "
+                     "downloaded is recorded in the package's manifest.json")
     src.add_argument("-i", "--input", help="local checkpoint folder (original phi4mm or transformers-native "
                      "phi4_multimodal layout); wins over -m")
     src.add_argument("-o", "--output", help="output folder (default: <model>-<precision>-<provider> in the "
                      "current folder); built in a temporary sibling and moved into place on success")
-    src.add_argument("-c", "--cache_dir", default="cache_dir",
-                     help="Hugging Face download cache (default: %(default)s)")
+    src.add_argument("-c", "--cache_dir", default=None,
+                     help="download cache (default: the Hugging Face cache, shared with other tools: $HF_HUB_CACHE, "
+                     "else $HF_HOME/hub, else ~/.cache/huggingface/hub)")
     src.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     tgt = p.add_argument_group("target")
     tgt.add_argument("-p", "--precision", choices=PRECISIONS, default="int4",
@@ -88,6 +93,10 @@ def make_parser() -> argparse.ArgumentParser:
                      help="with -p int4/int8, keep the vision and speech encoders in float")
     plg.add_argument("--list-routes", action="store_true",
                      help="print where every checkpoint tensor goes (component and name) and exit")
+    plg.add_argument("--dry-run", action="store_true",
+                     help="resolve the model (local or hub), check the options and config, and print what would be "
+                     "downloaded (files, sizes), what would be built and the expected package size; downloads no "
+                     "weights and writes no package")
     plg.add_argument("--no-progress", action="store_true", help="no progress bars")
     plg.add_argument("-v", "--verbose", action="store_true", help="show tracebacks and debug logging")
     return p
@@ -152,11 +161,17 @@ def _fail(message: str, verbose: bool) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from builder_plugin.hub import resolve_model_dir
+    from builder_plugin.hub import open_source
 
     extra_options = parse_extra_options(args.extra_options)
     check_extra_options(extra_options, args.precision)  # before any download or graph
-    model_dir = resolve_model_dir(args.model_name, args.input, Path(args.cache_dir))
+    if args.no_progress:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    source = open_source(args.model_name, args.input, Path(args.cache_dir) if args.cache_dir else None,
+                         args.revision, dry_run=args.dry_run)
+    model_dir = source.folder
     if args.list_routes:
         from builder_plugin.checkpoint.routing import describe_routes
         from builder_plugin.config import Phi4MMConfig
@@ -170,7 +185,7 @@ def _run(args: argparse.Namespace) -> int:
         output_dir=output,
         precision=args.precision,
         execution_provider=args.execution_provider,
-        cache_dir=Path(args.cache_dir),
+        cache_dir=source.cache_dir or Path(args.cache_dir or "cache_dir"),
         components=args.components,
         lora=args.lora,
         merge_lora=args.merge_lora,
@@ -178,7 +193,15 @@ def _run(args: argparse.Namespace) -> int:
         max_length=args.max_length,
         overwrite=args.overwrite,
         extra_options=extra_options,
+        source=source.provenance,
     )
+    from builder_plugin.preflight import preflight
+
+    plan = preflight(source, options)  # options, config, output folder and disk space: before any weight moves
+    if args.dry_run:
+        print(plan.report())
+        return 0
+    source.fetch()
     from builder_plugin.build import build
 
     result = build(options, progress=not args.no_progress)

@@ -1,58 +1,384 @@
-"""Resolving -m/-i to a local checkpoint folder, downloading from the Hugging Face hub only the files a build needs."""
+"""Resolving -m/-i to a checkpoint folder; from the Hugging Face hub, only the files a build needs, resumably.
+
+A hub model is opened in two steps so that nothing big moves before it is known to be wanted: `open_source` fetches
+config.json (a checkpoint that is not Phi-4-multimodal is refused there) and the small metadata files, and lists the
+weight files with their sizes from the hub; `ModelSource.fetch` then downloads the weights. Files go to the Hugging
+Face cache (HF_HOME / HF_HUB_CACHE, or -c), in its usual layout, so other tools find them and a second run downloads
+nothing. A weight file that stops half-way keeps its bytes (``blobs/<sha256>.incomplete``, as the hub's own tools name
+it) and the next run resumes it with a range request. With HF_HUB_OFFLINE=1 everything comes from the cache.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
+import re
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
-from builder_plugin.config import NATIVE_ADAPTER_DIRS, NATIVE_MODEL_TYPE
-from builder_plugin.errors import InputError
+from builder_plugin.config import NATIVE_ADAPTER_DIRS, NATIVE_MODEL_TYPE, ORIGINAL_MODEL_TYPE
+from builder_plugin.errors import InputError, UnsupportedModelError
+from builder_plugin.units import human
 
-METADATA_PATTERNS = [
-    "config.json",
+CONFIG_FILE = "config.json"
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_WEIGHTS_FILE = "model.safetensors"
+METADATA_FILES = (
     "generation_config.json",
     "preprocessor_config.json",
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
     "added_tokens.json",
-    "model.safetensors.index.json",
-]
-WEIGHT_PATTERNS = ["model.safetensors", "model-*.safetensors"]
+    INDEX_FILE,
+)
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # each native adapter folder's two files
+DEFAULT_REVISION = "main"
+RETRY_DELAYS_S = (1.0, 2.0)  # a failed hub call is tried len + 1 times
+_TRUE = ("1", "ON", "YES", "TRUE")
+_TRANSPORT_MODULES = ("httpx", "httpx2", "httpcore")
+_COMMIT = re.compile(r"^[0-9a-f]{40}$")
+_T = TypeVar("_T")
+log = logging.getLogger(__name__)
 
 
-def resolve_model_dir(model_name: str | None, input_dir: str | None, cache_dir: Path) -> Path:
-    """The local folder to build from: -i wins over -m; -m may also name a local folder."""
-    if input_dir:
-        path = Path(input_dir).expanduser()
+@dataclass(frozen=True)
+class SourceFile:
+    path: str  # inside the checkpoint, "/"-separated
+    size: int | None  # None: not known (offline and not cached)
+    cached: bool  # already complete on disk
+    partial: int = 0  # bytes of an interrupted download kept for resuming
+
+    @property
+    def to_download(self) -> int:
+        return 0 if self.cached else max((self.size or 0) - self.partial, 0)
+
+
+@dataclass
+class ModelSource:
+    """Where a build reads its checkpoint from, and how that folder can be traced back (manifest.json)."""
+
+    folder: Path
+    provenance: dict[str, Any]
+    weights: list[SourceFile]
+    metadata: list[SourceFile] = field(default_factory=list)
+    hub: _HubModel | None = None
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(f.size or 0 for f in self.weights)
+
+    @property
+    def download_bytes(self) -> int:
+        return sum(f.to_download for f in self.metadata + self.weights)
+
+    @property
+    def cache_dir(self) -> Path | None:
+        return self.hub.cache_dir if self.hub else None
+
+    def fetch(self) -> None:
+        """Download the files not in the cache yet (nothing for a local folder)."""
+        if self.hub is not None:
+            for f in self.metadata:
+                if not f.cached:
+                    self.hub.download(f.path)
+            self.hub.fetch([f for f in self.weights if not f.cached])
+
+
+def open_source(model_name: str | None, input_dir: str | None, cache_dir: Path | None,
+                revision: str | None = None, dry_run: bool = False) -> ModelSource:
+    """The checkpoint to build from: -i wins over -m; -m may also name a local folder. A hub model has its config
+    and metadata fetched (and checked) here, its weights only by `ModelSource.fetch`; for a dry run only the files
+    that tell what a build would be (config.json, the weight index, a native layout's adapter configs)."""
+    if input_dir or (model_name and Path(model_name).expanduser().is_dir()):
+        path = Path(input_dir or model_name).expanduser()
         if not path.is_dir():
             raise InputError(f"input folder not found: {path}")
-        return path
+        if revision:
+            raise InputError("--revision picks a version of a hub model; it does not apply to a local folder")
+        metadata = [SourceFile(n, (path / n).stat().st_size, True) for n in (CONFIG_FILE, *METADATA_FILES)
+                    if (path / n).is_file()]
+        return ModelSource(path, {"local_folder": str(path.resolve())}, local_weights(path), metadata)
     if not model_name:
         raise InputError("give a model: -m <hugging face id> or -i <local folder>")
-    local = Path(model_name).expanduser()
-    if local.is_dir():
-        return local
-    return download(model_name, cache_dir)
+    return _HubModel(model_name, revision or DEFAULT_REVISION, cache_dir).open(light=dry_run)
 
 
-def download(repo_id: str, cache_dir: Path) -> Path:
+def local_weights(folder: Path) -> list[SourceFile]:
+    """The weight files a checkpoint folder's index (or layout) names, as they are on disk."""
+    return [SourceFile(p, (folder / p).stat().st_size if (folder / p).is_file() else None, (folder / p).is_file())
+            for p in weight_files(folder, lambda p: (folder / p).is_file())]
+
+
+def weight_files(folder: Path, exists: Callable[[str], bool]) -> list[str]:
+    """The weight files of the checkpoint whose metadata is in `folder`: the shards its index names (or the single
+    file), and for the transformers-native layout each adapter folder's weights."""
+    index = folder / INDEX_FILE
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (ValueError, KeyError, AttributeError) as exc:
+            raise InputError(f"cannot read the weight index {index}: {exc}") from exc
+    else:
+        shards = [SINGLE_WEIGHTS_FILE]
+    if _model_type(folder) == NATIVE_MODEL_TYPE:  # the original layout has its LoRA inline; the native one in folders
+        shards += [f"{d}/{ADAPTER_FILES[1]}" for d in NATIVE_ADAPTER_DIRS.values() if exists(f"{d}/{ADAPTER_FILES[0]}")]
+    return shards
+
+
+def _model_type(folder: Path) -> str | None:
     try:
-        from huggingface_hub import snapshot_download
-        from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
-    except ImportError as exc:  # pragma: no cover - huggingface_hub is a dependency
-        raise InputError("downloading needs huggingface_hub (pip install huggingface_hub)") from exc
-    try:
-        folder = Path(snapshot_download(repo_id, cache_dir=str(cache_dir), allow_patterns=["config.json"]))
-        model_type = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
-        patterns = METADATA_PATTERNS + WEIGHT_PATTERNS
-        if model_type == NATIVE_MODEL_TYPE:  # the original layout has its LoRA inline; the native one needs adapters
-            patterns += [f"{d}/*" for d in NATIVE_ADAPTER_DIRS.values()]
-        return Path(snapshot_download(repo_id, cache_dir=str(cache_dir), allow_patterns=patterns))
-    except RepositoryNotFoundError as exc:
-        raise InputError(f"no such model on the Hugging Face hub: {repo_id}") from exc
-    except LocalEntryNotFoundError as exc:
-        raise InputError(f"cannot download {repo_id}: the hub is unreachable and it is not in {cache_dir}") from exc
-    except (HfHubHTTPError, OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise InputError(f"cannot download {repo_id}: {first}") from exc
+        return json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+class _HubModel:
+    def __init__(self, repo_id: str, revision: str, cache_dir: Path | None) -> None:
+        from huggingface_hub import constants
+        from huggingface_hub.utils import logging as hf_logging
+
+        if not logging.getLogger().isEnabledFor(logging.DEBUG):  # its retry warnings would break the one-line errors
+            hf_logging.set_verbosity_error()
+
+        self.repo_id = repo_id
+        self.revision = revision
+        self.cache_dir = Path(cache_dir or constants.HF_HUB_CACHE).expanduser().resolve()
+        # read now, not when huggingface_hub was imported (it reads them then): a test sets them in-process
+        self.endpoint = os.environ.get("HF_ENDPOINT") or constants.ENDPOINT
+        self.offline = constants.is_offline_mode() or os.environ.get("HF_HUB_OFFLINE", "").upper() in _TRUE
+        self.why_offline = "offline (HF_HUB_OFFLINE=1)"
+        self.commit: str | None = revision if _COMMIT.match(revision) else None
+        self.sizes: dict[str, int] = {}  # from the hub: every file's size
+        self.lfs: dict[str, str] = {}  # from the hub: each LFS file's sha256, the name of its blob in the cache
+        from huggingface_hub.file_download import repo_folder_name
+
+        self.storage = self.cache_dir / repo_folder_name(repo_id=repo_id, repo_type="model")
+
+    @property
+    def label(self) -> str:
+        return self.repo_id if self.revision == DEFAULT_REVISION else f"{self.repo_id} (revision {self.revision})"
+
+    # --- opening: commit, config, metadata, weight list --------------------------------------------------------
+    def open(self, light: bool = False) -> ModelSource:
+        if not self.offline:
+            try:
+                self._resolve_online()
+            except _Unreachable as exc:
+                if not self._cached_commit():
+                    raise InputError(f"{exc}; {self.label} is not in the cache {self.cache_dir} either") from exc
+                print(f"warning: {exc}; building {self.label} from the cache (commit {self.commit[:12]})",
+                      file=sys.stderr)
+                self.offline = True
+                self.why_offline = "the hub is unreachable"
+        if self.offline and not self._cached_commit():
+            raise InputError(f"{self.why_offline} and {self.label} is not in the cache {self.cache_dir}; "
+                             "run once online to download it")
+        config = Path(self.download(CONFIG_FILE))
+        folder = config.parent
+        model_type = _model_type(folder)
+        if model_type not in (ORIGINAL_MODEL_TYPE, NATIVE_MODEL_TYPE):
+            arch = (json.loads(config.read_text(encoding="utf-8")).get("architectures") or ["?"])[0]
+            raise UnsupportedModelError(
+                f"{self.label} is not a Phi-4-multimodal checkpoint (model_type {model_type!r}, architecture "
+                f"{arch!r}); expected model_type {ORIGINAL_MODEL_TYPE!r} or {NATIVE_MODEL_TYPE!r}; no weights "
+                "were downloaded")
+        wanted = list(METADATA_FILES)
+        essential = {INDEX_FILE}  # what a dry run needs: the weight list and, native, the adapters' settings
+        if model_type == NATIVE_MODEL_TYPE:
+            essential |= {f"{d}/{ADAPTER_FILES[0]}" for d in NATIVE_ADAPTER_DIRS.values()}
+            wanted += sorted(essential - {INDEX_FILE})
+        metadata = [SourceFile(CONFIG_FILE, config.stat().st_size, True)]
+        for name in wanted:
+            if not self._exists(name, folder):
+                continue
+            if light and name not in essential and not (folder / name).is_file():
+                metadata.append(SourceFile(name, self.sizes.get(name), False))
+                continue
+            path = Path(self.download(name))
+            metadata.append(SourceFile(name, path.stat().st_size, True))
+        weights = [self._weight(p, folder) for p in weight_files(folder, lambda p: self._exists(p, folder))]
+        missing = [w.path for w in weights if not w.cached]
+        if self.offline and missing:
+            raise InputError(f"{self.why_offline} and {self.label} is only partly in the cache "
+                             f"{self.cache_dir}: {len(missing)} weight file(s) missing ({missing[0]}...); run once "
+                             "online to finish the download")
+        provenance = {"repository": self.repo_id, "revision": self.revision, "commit": self.commit,
+                      "endpoint": self.endpoint}
+        return ModelSource(folder, provenance, weights, metadata, self)
+
+    def _resolve_online(self) -> None:
+        from huggingface_hub import HfApi
+
+        info = self._call(lambda: HfApi(endpoint=self.endpoint).model_info(
+            self.repo_id, revision=self.revision, files_metadata=True), what="model info")
+        self.commit = info.sha
+        self.sizes = {s.rfilename: s.size for s in info.siblings or [] if s.size is not None}
+        self.lfs = {s.rfilename: s.lfs.sha256 for s in info.siblings or [] if s.lfs is not None}
+        if self.revision != self.commit:  # the cache layout's refs/<branch or tag>, so offline runs find the commit
+            ref = self.storage / "refs" / self.revision
+            if not ref.is_file() or ref.read_text() != self.commit:
+                ref.parent.mkdir(parents=True, exist_ok=True)
+                ref.write_text(self.commit)
+
+    def _cached_commit(self) -> bool:
+        if self.commit is None:
+            ref = self.storage / "refs" / self.revision
+            self.commit = ref.read_text().strip() if ref.is_file() else None
+        return self.commit is not None and (self.storage / "snapshots" / self.commit / CONFIG_FILE).is_file()
+
+    def _exists(self, path: str, folder: Path) -> bool:
+        return (folder / path).is_file() if self.offline else path in self.sizes
+
+    def _weight(self, path: str, folder: Path) -> SourceFile:
+        if (folder / path).is_file():
+            return SourceFile(path, (folder / path).stat().st_size, True)
+        if self.offline:
+            return SourceFile(path, None, False)
+        if path not in self.sizes:
+            raise InputError(f"{self.label} lacks {path}, which its {INDEX_FILE} names")
+        blob = self.lfs.get(path)
+        partial = self.storage / "blobs" / f"{blob}.incomplete" if blob else None
+        return SourceFile(path, self.sizes[path], False, partial.stat().st_size if partial and partial.is_file() else 0)
+
+    # --- downloading ------------------------------------------------------------------------------------------
+    def download(self, path: str) -> str:
+        """A small file through huggingface_hub's own download (into the cache, or from it offline)."""
+        from huggingface_hub import hf_hub_download
+
+        return self._call(lambda: hf_hub_download(self.repo_id, path, revision=self.commit,
+                                                  cache_dir=str(self.cache_dir), endpoint=self.endpoint,
+                                                  local_files_only=self.offline), what=path)
+
+    def fetch(self, files: list[SourceFile]) -> None:
+        for f in files:
+            self._fetch_resumable(f)
+            self.download(f.path)  # links the snapshot entry to the blob, as huggingface_hub lays out its cache
+
+    def _fetch_resumable(self, f: SourceFile) -> None:
+        from huggingface_hub import get_hf_file_metadata, hf_hub_url
+        from huggingface_hub.file_download import http_get
+        from huggingface_hub.utils import build_hf_headers
+
+        url = hf_hub_url(self.repo_id, f.path, revision=self.commit, endpoint=self.endpoint)
+        meta = self._call(lambda: get_hf_file_metadata(url, endpoint=self.endpoint), what=f.path)
+        blob = self.storage / "blobs" / meta.etag
+        if blob.is_file():
+            return
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        partial = blob.with_name(f"{meta.etag}.incomplete")
+        headers = build_hf_headers()
+        if _origin(meta.location) != _origin(self.endpoint):  # the token does not leave the hub (storage redirect)
+            headers.pop("authorization", None)
+        resumed = partial.is_file() and partial.stat().st_size > 0
+
+        def attempt() -> None:
+            nonlocal resumed
+            with open(partial, "ab") as out:
+                have = out.tell()
+                resumed = resumed or have > 0
+                if meta.size is not None and have >= meta.size:
+                    return
+                if have:
+                    log.info("resuming %s at byte %d", f.path, have)
+                http_get(meta.location, out, resume_size=have, headers=headers, expected_size=meta.size,
+                         displayed_filename=f.path)
+
+        try:
+            self._call(attempt, what=f.path, retry_network=False)  # http_get retries a dropped connection itself
+        except _Unreachable as exc:
+            have = partial.stat().st_size if partial.is_file() else 0
+            kept = f"; {human(have)} of {human(meta.size or 0)} are kept" if have else ""
+            raise InputError(f"the download of {f.path} of {self.label} broke off ({_first_line(exc.__cause__ or exc)})"
+                             f"{kept}: run the same command again to resume it") from exc
+        if resumed and re.fullmatch(r"[0-9a-f]{64}", meta.etag) and _sha256(partial) != meta.etag:
+            partial.unlink()
+            raise InputError(f"{f.path} of {self.label} came out corrupt after resuming; its partial download was "
+                             "removed: run again to download it afresh")
+        os.replace(partial, blob)
+
+    # --- errors: each becomes one line, transient ones are retried first --------------------------------------
+    def _call(self, fn: Callable[[], _T], what: str, retry_network: bool = True) -> _T:
+        from huggingface_hub.errors import (
+            EntryNotFoundError,
+            GatedRepoError,
+            HfHubHTTPError,
+            LocalEntryNotFoundError,
+            OfflineModeIsEnabled,
+            RepositoryNotFoundError,
+            RevisionNotFoundError,
+        )
+
+        for tries, delay in enumerate((*RETRY_DELAYS_S, None), 1):
+            try:
+                return fn()
+            except GatedRepoError as exc:
+                raise InputError(f"{self.repo_id} is gated: accept its terms on its hub page, then log in "
+                                 "(`hf auth login`) or set HF_TOKEN to a token of that account") from exc
+            except RepositoryNotFoundError as exc:
+                raise InputError(f"no such model on the Hugging Face hub: {self.repo_id} (if it is private, log in "
+                                 "with `hf auth login` or set HF_TOKEN)") from exc
+            except RevisionNotFoundError as exc:
+                raise InputError(f"{self.repo_id} has no revision {self.revision!r}") from exc
+            except (OfflineModeIsEnabled, LocalEntryNotFoundError) as exc:  # before EntryNotFoundError, its base
+                cause = exc.__cause__ or exc.__context__
+                if self.offline or isinstance(exc, OfflineModeIsEnabled) or cause is None:
+                    raise InputError(f"{self.why_offline} and {what} of {self.label} is not in the cache "
+                                     f"{self.cache_dir}") from exc
+                error: BaseException = cause
+            except EntryNotFoundError as exc:
+                raise InputError(f"{self.label} has no file {what}") from exc
+            except HfHubHTTPError as exc:
+                status = exc.response.status_code if exc.response is not None else None
+                if status is not None and status < 500 and status not in (408, 429):
+                    if status in (401, 403):
+                        raise InputError(f"the hub refused {what} of {self.label} ({status}): log in (`hf auth "
+                                         "login`) or set HF_TOKEN") from exc
+                    raise InputError(f"the hub refused {what} of {self.label}: {_first_line(exc)}") from exc
+                error = exc
+            except Exception as exc:  # connection refused or reset, timeouts, a short read
+                if not isinstance(exc, OSError) and type(exc).__module__.split(".")[0] not in _TRANSPORT_MODULES:
+                    raise
+                error = exc
+                if not retry_network:
+                    delay = None
+            if delay is None:
+                raise _Unreachable(f"cannot get {what} of {self.label} from {self.endpoint} after {tries} tries: "
+                                   f"{_first_line(error)}") from error
+            log.info("retrying %s of %s in %.0f s: %s", what, self.repo_id, delay, _first_line(error))
+            time.sleep(delay)
+        raise AssertionError("unreachable")
+
+
+class _Unreachable(InputError):
+    """The hub could not be reached, or kept answering with a server error."""
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    for line in text.splitlines():
+        if line.strip():
+            return line.strip()
+    return type(exc).__name__
+
+
+def _origin(url: str) -> tuple[str, str, int | None]:
+    from urllib.parse import urlparse
+
+    parsed = urlparse(url)
+    return parsed.scheme, (parsed.hostname or "").lower(), parsed.port
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+

@@ -42,6 +42,24 @@ class BuildOptions:
     max_length: int | None = None
     overwrite: bool = False
     extra_options: dict[str, str] = field(default_factory=dict)
+    source: dict[str, Any] | None = None  # where the checkpoint came from (hub.ModelSource.provenance)
+
+    @property
+    def source_record(self) -> dict[str, Any]:
+        """Where the checkpoint came from, as manifest.json records it: the hub source, else the local folder."""
+        return self.source or {"local_folder": str(Path(self.model_dir).resolve())}
+
+    def provenance(self) -> dict[str, Any]:
+        """The builder and the options it ran with, as manifest.json records them."""
+        from builder_plugin import __version__
+
+        options = {"precision": self.precision, "execution_provider": self.execution_provider,
+                   "components": sorted(c.value for c in self.components), "lora": self.lora,
+                   "merge_lora": self.merge_lora, "quantize_encoders": self.quantize_encoders,
+                   "max_length": self.max_length, "extra_options": dict(self.extra_options)}
+        if self.quantize:
+            options["algo_config"] = self.algo_config
+        return {"name": "builder_plugin", "version": __version__, "options": options}
 
     @property
     def io_dtype(self) -> str:

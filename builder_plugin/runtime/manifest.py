@@ -7,6 +7,9 @@
 - ``original_max_position_embeddings``: where LongRoPE switches from the short to the long factors. The original model
   recomputes the whole cache once when a generation grows past it; the runtime does not do so for phi4mm, so
   `builder_plugin.runtime.Chat` does.
+- ``source``: where the checkpoint came from: ``repository``, ``revision`` and the ``commit`` downloaded (and the hub
+  ``endpoint``), or ``local_folder``. ``builder``: the builder's ``name``, ``version`` and ``options``. Readers ignore
+  both; a graphs-only package (no runnable decoder) has a manifest with just these two.
 
 Packages without the file (older builds) are read from their files: the split layout by its decoder names, anything
 else as one fixed decoder, and no LongRoPE recompute.
@@ -32,10 +35,13 @@ class Manifest:
     decoders: dict[str, str]  # input mode -> decoder file
     routing: str
     original_max_position_embeddings: int | None = None
+    source: dict[str, Any] | None = None
+    builder: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT_VERSION, "routing": self.routing, "decoders": dict(self.decoders),
+        data = {"format": FORMAT_VERSION, "routing": self.routing, "decoders": dict(self.decoders),
                 "original_max_position_embeddings": self.original_max_position_embeddings}
+        return {**data, **provenance_json(self.source, self.builder)}
 
     def write(self, folder: Path) -> Path:
         path = Path(folder) / MANIFEST_FILE
@@ -58,6 +64,10 @@ class Manifest:
             raise ValueError(f"{MANIFEST_FILE}: 'routing' must be one of {', '.join(ROUTINGS)}")
         switch = data.get("original_max_position_embeddings")
         return cls({m: str(decoders[m]) for m in MODES}, data["routing"], int(switch) if switch else None)
+
+
+def provenance_json(source: dict[str, Any] | None, builder: dict[str, Any] | None) -> dict[str, Any]:
+    return {k: v for k, v in (("source", source), ("builder", builder)) if v is not None}
 
 
 def mode_of(has_image: bool, has_audio: bool) -> str:

@@ -21,6 +21,7 @@ JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separa
 GUIDANCE_OPTIONS = "x-guidance"  # llguidance's key for its JSON options inside a schema
 # The markers of the model's call block: <|tool_call|>[{"name": ..., "arguments": {...}}]<|/tool_call|>
 TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<|tool_call|>", "<|/tool_call|>"
+MAX_CALLS = 4  # calls one constrained answer may make (a model that keeps calling cannot fill max_tokens with them)
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ def tool_call_grammar(open_id: int, close_id: int, functions: Sequence[tuple[str
                       single: bool) -> Guidance:
     """The grammar of a call block naming only `functions` ((name, parameters schema) pairs), whose arguments
     validate against the function's schema: ``<|tool_call|>[call, call...]<|/tool_call|>`` by token id (the markers are
-    one token each), one call when `single`."""
+    one token each), one call when `single`, else up to MAX_CALLS."""
     if not functions:
         raise ValueError("a tool-call grammar needs at least one function")
     rules = []
@@ -80,7 +81,7 @@ def tool_call_grammar(open_id: int, close_id: int, functions: Sequence[tuple[str
         schema = {"type": "object", "properties": {"name": {"const": name}, "arguments": parameters},
                   "required": ["name", "arguments"], "additionalProperties": False}
         rules.append(f"call_{i}: %json {json.dumps(with_json_layout(schema))}")
-    calls = '"[" call "]"' if single else '"[" call (", " call)* "]"'
+    calls = '"[" call "]"' if single else f'"[" call (", " call){{0,{MAX_CALLS - 1}}} "]"'
     lines = [f"start: <[{open_id}]> {calls} <[{close_id}]>",
              "call: " + " | ".join(f"call_{i}" for i in range(len(functions))), *rules]
     return Guidance.lark("\n".join(lines))

@@ -12,7 +12,8 @@ HONOURED = ("messages", "model", "stream", "stream_options", "max_tokens", "max_
             "top_p", "top_k", "seed", "stop", "n", "response_format", "tools", "tool_choice", "parallel_tool_calls",
             "logprobs", "top_logprobs")
 # Accepted and not used: they do not change the answer.
-INFORMATIONAL = ("user", "metadata", "store", "safety_identifier", "prompt_cache_key", "service_tier")
+INFORMATIONAL = ("user", "metadata", "store", "safety_identifier", "service_tier", "prompt_cache_key",
+                 "prompt_cache_options", "prompt_cache_retention")
 # Accepted only with the value that leaves the answer as this server makes it (field -> allowed values, why not).
 NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "frequency_penalty": ((None, 0, 0.0), "the runtime has no frequency penalty"),
@@ -24,6 +25,7 @@ NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
     "verbosity": ((None,), "this model has no verbosity setting"),
     "prediction": ((None,), "predicted outputs are not supported"),
     "web_search_options": ((None,), "web search is not supported"),
+    "moderation": ((None,), "this server does not moderate answers"),
     "functions": ((None,), "deprecated: use tools"),
     "function_call": ((None,), "deprecated: use tool_choice"),
 }

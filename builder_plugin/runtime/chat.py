@@ -178,6 +178,7 @@ class Chat:
         # Tools the model may call: the JSON text the chat template puts in the system message (None: no tools)
         self.tools: str | None = None
         self.token_bytes = TokenBytes(self.package_dir)
+        self._compiled: OrderedDict[Guidance, None] = OrderedDict()  # guidance known to compile
         self._models: dict[str, _Loaded] = {}
         self._live: _Live | None = None
         self._answers: OrderedDict[tuple, tuple[int, ...]] = OrderedDict()  # (system, turns so far) -> answer ids
@@ -359,9 +360,12 @@ class Chat:
         rendered = rendered[:tools_at] + self.tools + rendered[tools_at + len(json.dumps(_TOOLS_SENTINEL)):]
         return rendered.replace(_SYSTEM_SENTINEL, self.system or "")
 
-    @staticmethod
-    def _check_guidance(loaded: _Loaded, guidance: Guidance) -> None:
-        """Compile the grammar now (the runtime compiles it when a generator starts), so a bad one fails in ask."""
+    def _check_guidance(self, loaded: _Loaded, guidance: Guidance) -> None:
+        """Compile the grammar now (the runtime compiles it when a generator starts), so a bad one fails in ask;
+        grammars that compiled recently are not compiled twice."""
+        if guidance in self._compiled:
+            self._compiled.move_to_end(guidance)
+            return
         params = og.GeneratorParams(loaded.model)
         params.set_search_options(max_length=2)
         try:
@@ -369,6 +373,9 @@ class Chat:
             og.Generator(loaded.model, params)
         except RuntimeError as exc:
             raise GuidanceError(f"the {guidance.kind.replace('_', ' ')} was refused: {first_line(exc)}") from None
+        self._compiled[guidance] = None
+        while len(self._compiled) > ANSWER_MEMORY:
+            self._compiled.popitem(last=False)
 
     def _follow_up(self, turn: Turn, max_new_tokens: int, sampling: Sampling,
                    guidance: Guidance | None = None) -> _Request | None:

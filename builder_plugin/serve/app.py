@@ -206,7 +206,7 @@ async def _stream(job: Job, events: asyncio.Queue[Event], reply: Reply, include_
     Starlette cancels this when the client disconnects; the job is then cancelled too."""
     logprobs = job.logprobs is not None
     try:
-        yield _sse(reply.chunk({"role": "assistant", "content": ""}, logprobs=[] if logprobs else None))
+        yield _sse(reply.chunk({"role": "assistant", "content": ""}))
         while True:
             event = await events.get()
             if isinstance(event, Piece):

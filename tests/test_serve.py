@@ -178,7 +178,7 @@ def ask_chat(chat: Chat, questions: list[tuple[str, tuple[Path, ...], tuple[Path
              max_new_tokens: int = SHORT, sampling: Sampling | None = None) -> list[Answer]:
     """The answers of a fresh conversation with `chat`, one question after the other."""
     chat.clear()
-    chat.system = system
+    chat.system, chat.tools = system, None
     answers = []
     for text, images, audios in questions:
         answer = "".join(chat.ask(text, images, audios, max_new_tokens=max_new_tokens, sampling=sampling))
@@ -731,7 +731,6 @@ def test_tool_loop_with_an_image_and_audio(server, served_chat, chat, media_dir)
     assert [(c.function.name, json.loads(c.function.arguments)) for c in first.message.tool_calls] == \
         [(item["name"], item["arguments"]) for item in listed]
     answer = "".join(chat.ask(tool_results(results), max_new_tokens=SHORT, role="tool"))
-    chat.tools = None
     if second.message.tool_calls:  # random weights: a call or text, whichever the model made
         assert second.finish_reason == "tool_calls" and answer.startswith("<|tool_call|>")
     else:

@@ -117,6 +117,17 @@ class _Loaded:
     eos: frozenset[int]
     end_id: int  # <|end|>
     assistant_id: int  # <|assistant|>
+    _markers: dict[int, str] | None = None
+
+    def markers(self) -> dict[int, str]:
+        """The tool-call marker tokens of this tokenizer (id -> text); empty when it has none."""
+        if self._markers is None:
+            self._markers = {}
+            for marker in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE):
+                encoded = [int(t) for t in self.tokenizer.encode(marker)]
+                if len(encoded) == 1:
+                    self._markers[encoded[0]] = marker
+        return self._markers
 
     @classmethod
     def of(cls, model: Any) -> _Loaded:
@@ -320,14 +331,8 @@ class Chat:
     def tool_call_ids(self, variant: str | None = None) -> tuple[int, int] | None:
         """The ids of the call markers (<|tool_call|>, <|/tool_call|>) in the package's tokenizer; None when it has
         no such tokens (each must be one token)."""
-        tokenizer = self._load(variant or self.next_variant()).tokenizer
-        ids = []
-        for marker in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE):
-            encoded = [int(t) for t in tokenizer.encode(marker)]
-            if len(encoded) != 1:
-                return None
-            ids.append(encoded[0])
-        return ids[0], ids[1]
+        ids = {text: token for token, text in self._load(variant or self.next_variant()).markers().items()}
+        return (ids[TOOL_CALL_OPEN], ids[TOOL_CALL_CLOSE]) if len(ids) == 2 else None
 
     def tool_guidance(self, functions: Sequence[tuple[str, dict[str, Any]]], single: bool) -> Guidance:
         """The grammar of a call block naming only `functions` ((name, parameters schema) pairs)."""
@@ -541,6 +546,7 @@ class Chat:
         tokenizer = live.loaded.tokenizer
         stream = tokenizer.create_stream()
         eos = live.loaded.eos
+        markers = live.loaded.markers()
         first = None
         count = 0
         finish = "length"
@@ -568,7 +574,10 @@ class Chat:
                     finish = "stop"
                     yield token, ""
                     break
-                yield token, stream.decode(token)
+                piece = stream.decode(token)
+                # the call markers are plain added tokens in Phi-4-MM's tokenizer; one marked special would decode
+                # to nothing, and the calls could not be found in the text
+                yield token, piece or markers.get(token, "")
         finally:
             end = time.perf_counter()
             decode_s = end - first if first is not None else 0.0

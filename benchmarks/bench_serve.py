@@ -226,7 +226,9 @@ def guidance_section(results: dict[str, Any]) -> str:
             "same question free and with a JSON schema (response_format json_schema goes through exactly this): "
             "json-string = one unbounded string field, json-objects = an array of small objects with an enum, a "
             "bounded integer and a short string. The runs of each kind take turns; medians of the runs. The "
-            "difference is the runtime's per-token mask computation (llguidance) and its bookkeeping.\n\n" + table)
+            "difference is the runtime's per-token mask computation (llguidance) and its bookkeeping. On a shared "
+            "machine the runs of one kind spread by up to ~10% (every run is in results/serve.json): a difference "
+            "smaller than that is within the noise.\n\n" + table)
 
 
 # ---- report -------------------------------------------------------------------------------------------------------

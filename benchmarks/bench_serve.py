@@ -4,11 +4,17 @@ package.
 
     python benchmarks/bench_serve.py                          # the tiny generated package (built into --work)
     python benchmarks/bench_serve.py /work/bench/pkg-int4 --requests 8 --concurrency 2 --ttft-runs 3 --max-length 2048
+    python benchmarks/bench_serve.py /work/bench/pkg-int4-plain --guidance --max-tokens 64 --max-length 2048
 
 The server runs in its own process, Chat and the clients (threads, with the openai client) in this one; both have
 the package loaded at once, and the time-to-first-token requests alternate between them. Every request is a fresh
 one-question conversation with its own text, greedy, `--max-tokens` new tokens. Results are merged by `--label`
 into `benchmarks/results/serve.json` and the "## Serving" section of docs/benchmarks.md is rewritten from it.
+
+`--guidance` measures the cost of constrained answers instead: decode tokens/s of `Chat` (the runtime's og.Generator,
+as the server's worker runs it) free and with JSON schemas, the same question, `--max-tokens` new tokens each, the
+runs of each kind taking turns. Random weights make the guided answers noise that fits the schema: the schemas keep
+the answer going (an unbounded string, or a long array of small objects) so every run makes all its tokens.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import fmt, machine_info, markdown_table, replace_markdown_section, write_json
+from common import fmt, git_state, machine_info, markdown_table, replace_markdown_section, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "serve.json"
@@ -160,6 +166,71 @@ def measure(package: Path, args: argparse.Namespace) -> dict[str, Any]:
     return {"chat": direct, "server": server}
 
 
+# ---- the cost of guidance ------------------------------------------------------------------------------------------
+
+# Schemas that keep a random model going: one long string; many small objects (keys, enums, numbers: the grammar
+# changes state every few tokens).
+SCHEMAS = {
+    "json-string": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"],
+                    "additionalProperties": False},
+    "json-objects": {"type": "object", "properties": {"items": {"type": "array", "items": {
+        "type": "object", "properties": {"kind": {"enum": ["circle", "square", "triangle"]},
+                                         "size": {"type": "integer", "minimum": 0, "maximum": 999},
+                                         "tag": {"type": "string", "maxLength": 6}},
+        "required": ["kind", "size", "tag"], "additionalProperties": False}}}, "required": ["items"],
+        "additionalProperties": False},
+}
+
+
+def measure_guidance(package: Path, args: argparse.Namespace) -> dict[str, Any]:
+    from builder_plugin.runtime import Chat, Guidance
+
+    chat = Chat(package, max_length=args.max_length)
+    kinds = {"free": None, **{name: Guidance.json_schema(schema) for name, schema in SCHEMAS.items()}}
+    speeds: dict[str, list[float]] = {kind: [] for kind in kinds}
+    tokens: dict[str, list[int]] = {kind: [] for kind in kinds}
+    question = "Describe three shapes as JSON."
+    for guidance in kinds.values():  # warm-up (and the grammar compiled once)
+        chat.clear()
+        "".join(chat.ask(question, max_new_tokens=4, guidance=guidance))
+    for _ in range(args.guidance_runs):
+        for kind, guidance in kinds.items():
+            chat.clear()
+            "".join(chat.ask(question, max_new_tokens=args.max_tokens, guidance=guidance))
+            speeds[kind].append(chat.last_stats.tokens_per_s)
+            tokens[kind].append(chat.last_stats.new_tokens)
+    free = float(np.median(speeds["free"]))
+    out = {}
+    for kind in kinds:
+        median = float(np.median(speeds[kind]))
+        out[kind] = {"tokens_per_s": speeds[kind], "median_tokens_per_s": median, "new_tokens": tokens[kind],
+                     "ms_per_token_over_free": (1000 / median - 1000 / free) if median > 0 and free > 0 else None}
+    return out
+
+
+def guidance_section(results: dict[str, Any]) -> str:
+    rows = []
+    for label, run in results.get("guidance", {}).items():
+        for kind, measured in run["kinds"].items():
+            rows.append([label, kind, run["max_tokens"], min(measured["new_tokens"]),
+                         fmt(measured["median_tokens_per_s"]),
+                         fmt(measured["ms_per_token_over_free"], 1) if kind != "free" else "",
+                         run["machine"]["load_average"][0]])
+    if not rows:
+        return ""
+    commands = "\n".join(f"- {label}: `{run['command']}`" for label, run in results["guidance"].items())
+    table = markdown_table(["package", "answer", "max tokens", "min new tokens", "decode tok/s median",
+                            "ms/token over free", "load average"], rows)
+    return ("\n\n### Cost of guidance per token\n\nCommands:\n\n" + commands + "\n\n"
+            "Decode tokens/s after the first token of `Chat.ask` (og.Generator, as the server's worker runs it), the "
+            "same question free and with a JSON schema (response_format json_schema goes through exactly this): "
+            "json-string = one unbounded string field, json-objects = an array of small objects with an enum, a "
+            "bounded integer and a short string. The runs of each kind take turns; medians of the runs. The "
+            "difference is the runtime's per-token mask computation (llguidance) and its bookkeeping. On a shared "
+            "machine the runs of one kind spread by up to ~10% (every run is in results/serve.json): a difference "
+            "smaller than that is within the noise.\n\n" + table)
+
+
 # ---- report -------------------------------------------------------------------------------------------------------
 
 
@@ -188,7 +259,8 @@ def section(results: dict[str, Any]) -> str:
             "load hits them alike); overhead = server TTFT - Chat TTFT (HTTP, JSON, the queue and the worker "
             "thread). "
             "Latency percentiles include the time spent waiting in the queue. Load average = the machine's 1-minute "
-            "load at the end of the run (2 cores, shared with other jobs when above ~1.5).\n\n" + table)
+            "load at the end of the run (2 cores, shared with other jobs when above ~1.5).\n\n" + table
+            + guidance_section(results))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-length", type=int, default=None,
                         help="KV cache length for Chat and the server (default: the package's; 16384 costs 4 GiB "
                              "per generator on the full-size model)")
+    parser.add_argument("--guidance", action="store_true",
+                        help="measure decode tokens/s free and with JSON schemas instead of the serving overhead")
+    parser.add_argument("--guidance-runs", type=int, default=3, help="runs of each kind with --guidance")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--doc", default=str(DOC), help="Markdown file to update ('' = none)")
     args = parser.parse_args(argv)
@@ -210,15 +285,23 @@ def main(argv: list[str] | None = None) -> int:
     package = Path(args.package) if args.package else tiny_package(args.work)
     label = args.label or ("tiny" if not args.package else package.name)
     command = "python benchmarks/bench_serve.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    results = {"runs": {}}
+    if args.out.is_file():
+        results = json.loads(args.out.read_text(encoding="utf-8"))
+    if args.guidance:
+        results.setdefault("guidance", {})[label] = {
+            "package": str(package), "command": command.strip(), "max_tokens": args.max_tokens,
+            "kinds": measure_guidance(package, args), "machine": machine_info(), "code": git_state()}
+        write_json(args.out, results)
+        if args.doc:
+            replace_markdown_section(args.doc, "## Serving", section(results), before="## Build")
+        print(guidance_section(results))
+        return 0
     run = {"package": str(package), "command": command.strip(), "requests": args.requests,
            "concurrency": args.concurrency, "max_tokens": args.max_tokens,
            **measure(package, args)}
     run["ttft_overhead_ms"] = (run["server"]["ttft_s"]["p50"] - run["chat"]["ttft_s"]["p50"]) * 1000
     run["machine"] = machine_info()
-
-    results = {"runs": {}}
-    if args.out.is_file():
-        results = json.loads(args.out.read_text(encoding="utf-8"))
     results["runs"][label] = run
     write_json(args.out, results)
     if args.doc:

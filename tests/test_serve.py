@@ -32,6 +32,18 @@ from builder_plugin.testing.media import make_wav
 IMAGE = "square.png"
 AUDIO = "clip_2s.wav"
 SHORT = 6  # max_tokens of most requests: the tiny model makes ~200 tokens/s
+GUIDED = 80  # max_tokens of guided answers: room for a bounded JSON answer or one call
+CALLS = 240  # room for the most calls a constrained answer may make (runtime.guidance.MAX_CALLS)
+# Tools whose arguments are bounded (random weights would otherwise fill any string to max_tokens).
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 8},
+                                           "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+CLOCK = {"type": "object", "properties": {"zone": {"type": "integer", "minimum": -12, "maximum": 14}},
+         "required": ["zone"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "description": "The time in a zone",
+                                           "parameters": CLOCK}}]
 
 
 class ProbeChat(Chat):
@@ -166,7 +178,7 @@ def ask_chat(chat: Chat, questions: list[tuple[str, tuple[Path, ...], tuple[Path
              max_new_tokens: int = SHORT, sampling: Sampling | None = None) -> list[Answer]:
     """The answers of a fresh conversation with `chat`, one question after the other."""
     chat.clear()
-    chat.system = system
+    chat.system, chat.tools = system, None
     answers = []
     for text, images, audios in questions:
         answer = "".join(chat.ask(text, images, audios, max_new_tokens=max_new_tokens, sampling=sampling))
@@ -264,7 +276,10 @@ def _bad_requests(media_dir: Path, tmp_path: Path) -> dict[str, tuple[dict, int,
     audio_msg = lambda data, fmt="wav": {"role": "user", "content": [  # noqa: E731
         {"type": "input_audio", "input_audio": {"data": data, "format": fmt}}, {"type": "text", "text": "?"}]}
     return {
-        "unknown role": ({"messages": [{"role": "tool", "content": "x"}]}, 400, None, "unsupported role 'tool'"),
+        "unknown role": ({"messages": [{"role": "function", "content": "x"}]}, 400, None,
+                         "unsupported role 'function'"),
+        "tool first": ({"messages": [{"role": "tool", "tool_call_id": "c", "content": "x"}]}, 400, None,
+                       "must follow an assistant message with tool_calls"),
         "part type": ({"messages": [{"role": "user", "content": [{"type": "video_url", "video_url": {"url": "x"}}]}]},
                       400, "unsupported_content_type", "unsupported part type 'video_url'"),
         "image base64": ({"messages": [image_msg("not base64!")]}, 400, "invalid_base64", "not valid base64"),
@@ -286,18 +301,37 @@ def _bad_requests(media_dir: Path, tmp_path: Path) -> dict[str, tuple[dict, int,
             "2 image tags (<|image_1|> <|image_2|>) but 1 image is attached"),
         "context": ({"messages": [user("word " * 5000)]}, 400, "context_length_exceeded", "the prompt is"),
         "last not user": ({"messages": [user("Hi"), {"role": "assistant", "content": "Hello"}]}, 400, None,
-                          "the last message must be a user message"),
+                          "the last message must be a user or tool message"),
         "assistant first": ({"messages": [{"role": "assistant", "content": "Hello"}, user("Hi")]}, 400, None,
-                            "must answer a user message"),
+                            "must answer a user or tool message"),
         "temperature": ({"messages": [user("Hi")], "temperature": 3}, 400, None, "temperature"),
         "n": ({"messages": [user("Hi")], "n": 2}, 400, None, "only one choice"),
+        "format type": ({"messages": [user("Hi")], "response_format": {"type": "xml"}}, 400, None,
+                        "response_format.type: 'xml' is not supported"),
+        "schema refused": ({"messages": [user("Hi")], "response_format": {"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "objectx"}}}}, 400, "invalid_schema", "Invalid type: objectx"),
+        "penalty": ({"messages": [user("Hi")], "frequency_penalty": 0.5}, 400, "unsupported_parameter",
+                    "frequency_penalty: not supported"),
+        "unknown field": ({"messages": [user("Hi")], "extra_body": {"best_of": 2}}, 400, "unsupported_parameter",
+                          "best_of: unknown field"),
+        "top_logprobs alone": ({"messages": [user("Hi")], "top_logprobs": 2}, 400, None, "needs logprobs: true"),
+        "top_logprobs 21": ({"messages": [user("Hi")], "logprobs": True, "top_logprobs": 21}, 400, None,
+                            "top_logprobs"),
+        "tool_choice alone": ({"messages": [user("Hi")], "tool_choice": "required"}, 400, None, "needs tools"),
+        "unknown tool": ({"messages": [user("Hi")], "tools": TOOLS, "tool_choice": {
+            "type": "function", "function": {"name": "nope"}}}, 400, None, "no tool is named 'nope'"),
+        "bad parameters": ({"messages": [user("Hi")], "tools": [{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "objectx"}}}], "tool_choice": "required"}, 400, "invalid_schema",
+            "tools: "),
         "model": ({"messages": [user("Hi")], "model": "gpt-5"}, 404, "model_not_found", "'gpt-5' is not served"),
     }
 
 
-BAD_REQUESTS = ["unknown role", "part type", "image base64", "audio base64", "gif image", "wav as image", "http image",
-                "png as audio", "6 kHz audio", "audio format", "image tags", "context", "last not user",
-                "assistant first", "temperature", "n", "model"]
+BAD_REQUESTS = ["unknown role", "tool first", "part type", "image base64", "audio base64", "gif image",
+                "wav as image", "http image", "png as audio", "6 kHz audio", "audio format", "image tags", "context",
+                "last not user", "assistant first", "temperature", "n", "model", "format type", "schema refused",
+                "penalty", "unknown field", "top_logprobs alone", "top_logprobs 21", "tool_choice alone",
+                "unknown tool", "bad parameters"]
 
 
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, chat, media_dir, tmp_path):
@@ -559,3 +593,222 @@ def test_disguised_file_url_is_refused(media_dir, tmp_path):
     shutil.copy(media_dir / AUDIO, disguised)
     with pytest.raises(ApiError, match="not a PNG or JPEG image"):
         MediaReader(MediaCache(tmp_path / "cache", MB), allow_local_files=True).image(disguised.as_uri(), "url")
+
+
+# ---- structured output, tool calls, log-probabilities --------------------------------------------------------------
+
+
+def _create(client: openai.OpenAI, messages: list[dict], **params):
+    params.setdefault("max_tokens", GUIDED)
+    return client.chat.completions.create(model=client.models.list().data[0].id, messages=messages, **params)
+
+
+def _guided_chat(chat: Chat, text: str, guidance, images=(), audios=(), max_new_tokens: int = GUIDED) -> str:
+    chat.clear()
+    chat.system = chat.tools = None
+    return "".join(chat.ask(text, images, audios, max_new_tokens=max_new_tokens, guidance=guidance))
+
+
+def test_parse_with_a_pydantic_model(server):
+    from typing import Literal
+
+    import jsonschema
+    import pydantic
+
+    class Forecast(pydantic.BaseModel):
+        sky: Literal["clear", "cloudy", "rain"]
+        degrees: int = pydantic.Field(ge=-50, le=50)
+        note: str = pydantic.Field(max_length=10)
+
+    client = server.client()
+    completion = client.chat.completions.parse(model=client.models.list().data[0].id, response_format=Forecast,
+                                               messages=[user("The forecast for tomorrow, please.")],
+                                               max_tokens=GUIDED)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Forecast)
+    jsonschema.validate(json.loads(choice.message.content), Forecast.model_json_schema())
+    # the layout is fixed (json.dumps's), not left to the model
+    assert choice.message.content == json.dumps(json.loads(choice.message.content), ensure_ascii=False)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_json_schema_answer_with_an_image(server, chat, media_dir, stream):
+    import jsonschema
+
+    from builder_plugin.runtime import Guidance
+
+    schema = {"type": "object", "properties": {"objects": {"type": "array", "maxItems": 3, "items": {
+        "enum": ["circle", "square", "triangle"]}}, "count": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["objects", "count"], "additionalProperties": False}
+    image = media_dir / IMAGE
+    response_format = {"type": "json_schema", "json_schema": {"name": "shapes", "schema": schema, "strict": True}}
+    got = ask_server(server.client(), [user("Which shapes are in the picture?", (image,))], stream=stream,
+                     max_tokens=GUIDED, response_format=response_format)
+    jsonschema.validate(json.loads(got.text), schema)
+    assert got.finish_reason == "stop"
+    assert got.text == _guided_chat(chat, "Which shapes are in the picture?", Guidance.json_schema(schema), (image,))
+    # an answer cut by max_tokens says so (and is then not whole JSON)
+    cut = ask_server(server.client(), [user("Which shapes are in the picture?", (image,))], stream=stream,
+                     max_tokens=3, response_format=response_format)
+    assert cut.finish_reason == "length" and got.text.startswith(cut.text) and len(cut.text) < len(got.text)
+    # json_object: any object
+    whole = ask_server(server.client(), [user("JSON!")], stream=stream, response_format={"type": "json_object"},
+                       max_tokens=GUIDED)
+    assert whole.finish_reason == "stop" and isinstance(json.loads(whole.text), dict)
+    text = ask_server(server.client(), [user("Hello!")], stream=stream, response_format={"type": "text"})
+    assert text == ask_chat(chat, [("Hello!", (), ())])[0]
+
+
+def _check_calls(calls, names: set[str]) -> None:
+    import jsonschema
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    assert calls and len({c.id for c in calls}) == len(calls)
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def test_required_and_named_tool_calls(server):
+    client = server.client()
+    question = [user("What is the weather in Paris, and the time in Tokyo?")]
+    required = _create(client, question, tools=TOOLS, tool_choice="required", max_tokens=CALLS).choices[0]
+    assert required.finish_reason == "tool_calls" and required.message.content is None
+    _check_calls(required.message.tool_calls, {"get_weather", "get_time"})
+    named = _create(client, question, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    calls = named.choices[0].message.tool_calls
+    assert named.choices[0].finish_reason == "tool_calls" and len(calls) == 1
+    _check_calls(calls, {"get_time"})
+    single = _create(client, question, tools=TOOLS, tool_choice="required", parallel_tool_calls=False).choices[0]
+    assert len(single.message.tool_calls) == 1
+    _check_calls(single.message.tool_calls, {"get_weather", "get_time"})
+    # streamed: the client reassembles the tool_calls deltas into the same calls
+    with client.chat.completions.stream(model=client.models.list().data[0].id, messages=question, tools=TOOLS,
+                                        tool_choice="required", max_tokens=CALLS) as stream:
+        final = stream.get_final_completion().choices[0]
+    assert final.finish_reason == "tool_calls"
+    assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == \
+        [(c.function.name, c.function.arguments) for c in required.message.tool_calls]
+    # auto: random weights answer noise, so only the shape can be checked: text, or calls of the offered tools
+    auto = _create(client, question, tools=TOOLS, max_tokens=SHORT).choices[0]
+    assert auto.finish_reason in ("stop", "length", "tool_calls")
+    if auto.message.tool_calls:
+        _check_calls(auto.message.tool_calls, {"get_weather", "get_time"})
+    else:
+        assert isinstance(auto.message.content, str)
+    # none: the tools are left out of the prompt, so the answer is the plain one
+    none = _create(client, question, tools=TOOLS, tool_choice="none", max_tokens=SHORT).choices[0]
+    plain = _create(client, question, max_tokens=SHORT).choices[0]
+    assert none.message.content == plain.message.content and none.message.tool_calls is None
+
+
+def test_tool_loop_with_an_image_and_audio(server, served_chat, chat, media_dir):
+    """Question with media -> a call -> its result -> the answer, each request re-sending the conversation. The
+    assistant's tool_calls are fed back as the call block the model wrote: the server's Chat finds the
+    conversation it holds."""
+    from builder_plugin.runtime import tool_results
+    from builder_plugin.serve.tools import parse_tools
+
+    client = server.client()
+    image, audio = media_dir / IMAGE, media_dir / AUDIO
+    messages = [{"role": "system", "content": "You help."}, user("What is the weather there?", (image,), (audio,))]
+    first = _create(client, messages, tools=TOOLS, tool_choice="required", max_tokens=CALLS).choices[0]
+    assert first.finish_reason == "tool_calls"
+    _check_calls(first.message.tool_calls, {"get_weather", "get_time"})
+    messages.append(first.message.model_dump(exclude_none=True))
+    results = [json.dumps({"result": 21 + i}) for i in range(len(first.message.tool_calls))]
+    messages += [{"role": "tool", "tool_call_id": call.id, "content": result}
+                 for call, result in zip(first.message.tool_calls, results)]
+    second = _create(client, messages, tools=TOOLS, max_tokens=SHORT).choices[0]
+    assert served_chat.restores_unchanged[-1]  # the rebuilt history is the conversation the server holds
+    # the same conversation in a Chat of its own
+    chat.clear()
+    chat.system, chat.tools = "You help.", parse_tools(TOOLS, "required", None).template_text()
+    functions = [(t["function"]["name"], t["function"]["parameters"]) for t in TOOLS]
+    call = "".join(chat.ask("What is the weather there?", (image,), (audio,), max_new_tokens=CALLS,
+                            guidance=chat.tool_guidance(functions, single=False)))
+    listed = json.loads(call[call.index("["):call.rindex("]") + 1])
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in first.message.tool_calls] == \
+        [(item["name"], item["arguments"]) for item in listed]
+    answer = "".join(chat.ask(tool_results(results), max_new_tokens=SHORT, role="tool"))
+    if second.message.tool_calls:  # random weights: a call or text, whichever the model made
+        assert second.finish_reason == "tool_calls" and answer.startswith("<|tool_call|>")
+    else:
+        assert second.message.content == answer
+
+
+def test_tools_on_a_package_without_tool_tokens(package, tmp_path):
+    folder = tmp_path / "no-tools"
+    folder.mkdir()
+    for path in package.iterdir():
+        if path.name not in ("tokenizer.json", "tokenizer_config.json"):
+            (folder / path.name).symlink_to(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        text = (package / name).read_text(encoding="utf-8")
+        (folder / name).write_text(text.replace("<|tool_call|>", "<|no_call|>").replace("<|/tool_call|>",
+                                                                                        "<|/no_call|>"))
+    with running_server(Chat(folder), tmp_path) as no_tools:
+        with pytest.raises(openai.BadRequestError) as caught:
+            _create(no_tools.client(), [user("Hi")], tools=TOOLS)
+        assert caught.value.code == "tools_not_supported" and caught.value.param == "tools"
+        assert "no tool-call tokens" in caught.value.message and "\n" not in caught.value.message
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(package):
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(package)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("guided", [False, True], ids=["free", "json_object"])
+def test_logprobs_equal_chats(server, chat, hf_tokenizer, stream, guided):
+    """The reported log-probabilities are the log-softmax of the logits Chat kept for each token (with guidance, of
+    the logits the runtime masked), the alternatives the most likely of them."""
+    import numpy as np
+
+    from builder_plugin.runtime import Guidance
+
+    top = 5
+    params = {"response_format": {"type": "json_object"}} if guided else {}
+    client = server.client()
+    if stream:
+        chunks = list(_create(client, [user("Hello!")], max_tokens=SHORT, logprobs=True, top_logprobs=top,
+                              stream=True, **params))
+        content = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    else:
+        content = _create(client, [user("Hello!")], max_tokens=SHORT, logprobs=True, top_logprobs=top,
+                          **params).choices[0].logprobs.content
+    chat.keep_logits = True
+    try:
+        _guided_chat(chat, "Hello!", Guidance.json_object() if guided else None, max_new_tokens=SHORT)
+    finally:
+        chat.keep_logits = False
+    ids = chat.turns[-1].answer_ids  # the end of the answer (its last logits) gets no entry
+    assert len(content) == len(ids) > 0
+    for entry, token_id, logits in zip(content, ids, chat.last_logits):
+        values = np.asarray(logits, np.float64)
+        expected = values - values.max() - np.log(np.exp(values - values.max()).sum())
+        assert entry.logprob == pytest.approx(max(expected[token_id], -9999.0), abs=1e-4)
+        assert entry.token == hf_tokenizer.decode([token_id]) and entry.token == bytes(entry.bytes).decode(
+            "utf-8", errors="replace")
+        assert len(entry.top_logprobs) == top
+        best = np.argsort(-expected, kind="stable")[:top]
+        assert [a.logprob for a in entry.top_logprobs] == pytest.approx(np.maximum(expected[best], -9999.0),
+                                                                         abs=1e-4)
+        assert [a.token for a in entry.top_logprobs][:1] == [hf_tokenizer.decode([int(best[0])])]
+
+
+def test_every_openai_request_field_is_handled():
+    """Each field of the official client's chat-completions request is honoured, informational or refused unless
+    neutral, and the README lists it."""
+    from openai.types.chat import completion_create_params
+
+    from builder_plugin.serve import fields
+
+    names = set(completion_create_params.CompletionCreateParamsBase.__annotations__) | {"stream"}
+    handled = set(fields.HONOURED) | set(fields.INFORMATIONAL) | set(fields.NEUTRAL)
+    assert names - handled == set()
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    assert [name for name in sorted(handled) if f"| `{name}` |" not in readme] == []

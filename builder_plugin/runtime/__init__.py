@@ -15,15 +15,19 @@ from builder_plugin.runtime.chat import (
 )
 from builder_plugin.runtime.errors import (
     ChatError,
+    GuidanceError,
     MediaNotFoundError,
     PackageError,
     PromptTooLongError,
     TagMismatchError,
+    ToolsNotSupportedError,
     UnsupportedMediaError,
 )
+from builder_plugin.runtime.guidance import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Guidance
 from builder_plugin.runtime.manifest import MANIFEST_FILE, MODES, Manifest, mode_of
 from builder_plugin.runtime.media import AUDIO_SUFFIXES, IMAGE_SUFFIXES, check_audio, check_image
-from builder_plugin.runtime.prompt import Turn, build_prompt, check_tags, user_content
+from builder_plugin.runtime.prompt import TOOL, USER, Turn, build_prompt, check_tags, tool_results, user_content
+from builder_plugin.runtime.tokens import MAX_TOP_LOGPROBS, Alternative, TokenLogprob
 
 __all__ = [
     "AUDIO_SUFFIXES",
@@ -31,10 +35,18 @@ __all__ = [
     "GENAI_CONFIG_FILE",
     "IMAGE_SUFFIXES",
     "MANIFEST_FILE",
+    "MAX_TOP_LOGPROBS",
     "MODES",
+    "TOOL",
+    "TOOL_CALL_CLOSE",
+    "TOOL_CALL_OPEN",
+    "USER",
+    "Alternative",
     "Chat",
     "ChatError",
     "Generation",
+    "Guidance",
+    "GuidanceError",
     "Manifest",
     "MediaNotFoundError",
     "PackageError",
@@ -42,6 +54,8 @@ __all__ = [
     "Sampling",
     "Stats",
     "TagMismatchError",
+    "TokenLogprob",
+    "ToolsNotSupportedError",
     "Turn",
     "UnsupportedMediaError",
     "build_prompt",
@@ -50,5 +64,6 @@ __all__ = [
     "check_tags",
     "generate",
     "mode_of",
+    "tool_results",
     "user_content",
 ]

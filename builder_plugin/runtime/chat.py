@@ -18,6 +18,10 @@
 - LongRoPE: the first time the sequence grows past ``original_max_position_embeddings`` (from the package manifest)
   the whole cache is recomputed with the long factors, once per conversation, as the original model's generation
   does; the runtime does not do this for phi4mm. It costs one prefill of that many tokens (media encoded again).
+  A guided answer is not recomputed midway: its grammar state cannot be carried into a new generator (the next
+  question is, as every question after a guided answer starts a new generator over the conversation's ids).
+- Guidance (runtime/guidance.py) constrains one answer; tools (``Chat.tools``, the JSON list the chat template puts in
+  the system message) are rendered by the package's own chat template, read by the runtime from its tokenizer files.
 """
 
 from __future__ import annotations
@@ -33,14 +37,25 @@ from typing import Any
 import numpy as np
 import onnxruntime_genai as og
 
-from builder_plugin.runtime.errors import ChatError, PackageError, PromptTooLongError, UnsupportedMediaError, first_line
+from builder_plugin.runtime.errors import (
+    ChatError,
+    GuidanceError,
+    PackageError,
+    PromptTooLongError,
+    ToolsNotSupportedError,
+    UnsupportedMediaError,
+    first_line,
+)
+from builder_plugin.runtime.guidance import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Guidance, tool_call_grammar
 from builder_plugin.runtime.manifest import Manifest, mode_of
 from builder_plugin.runtime.media import check_audio, check_image, decoder_reason
 from builder_plugin.runtime.prompt import ASSISTANT, END, Turn, build_prompt, user_content, user_turn
+from builder_plugin.runtime.tokens import MAX_TOP_LOGPROBS, TokenBytes, TokenLogprob, token_logprob
 
 GENAI_CONFIG_FILE = "genai_config.json"
 FOLLOW_UP_ROOM = 1024  # tokens of KV cache kept free for follow-up questions beyond the answer's max_new_tokens
 ANSWER_MEMORY = 256  # answers whose token ids are remembered for conversations restored from text
+_SYSTEM_SENTINEL, _TOOLS_SENTINEL = "system-1f0c", [918273645]  # stand-ins the chat template is rendered with
 
 
 @dataclass(frozen=True)
@@ -102,6 +117,17 @@ class _Loaded:
     eos: frozenset[int]
     end_id: int  # <|end|>
     assistant_id: int  # <|assistant|>
+    _markers: dict[int, str] | None = None
+
+    def markers(self) -> dict[int, str]:
+        """The tool-call marker tokens of this tokenizer (id -> text); empty when it has none."""
+        if self._markers is None:
+            self._markers = {}
+            for marker in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE):
+                encoded = [int(t) for t in self.tokenizer.encode(marker)]
+                if len(encoded) == 1:
+                    self._markers[encoded[0]] = marker
+        return self._markers
 
     @classmethod
     def of(cls, model: Any) -> _Loaded:
@@ -123,6 +149,7 @@ class _Live:
     sampling: Sampling
     long_factors: bool  # its last step ran past the LongRoPE switch (so every cached key has the long factors)
     turns: list[Turn] = field(default_factory=list)  # the answered turns it holds (Chat conversations)
+    guided: bool = False  # it was started with guidance (its grammar state is spent: no follow-up extends it)
 
     def token_ids(self) -> list[int]:
         return [int(t) for t in self.generator.get_sequence(0)]
@@ -138,6 +165,8 @@ class _Request:
     prompt_tokens: int
     inputs: Any = None  # processor tensors for a new generator
     append: list[int] | None = None  # ids to append to the kept generator instead
+    guidance: Guidance | None = None
+    logprobs: int | None = None  # record the log-probability of each token and this many alternatives
 
 
 class Chat:
@@ -155,6 +184,12 @@ class Chat:
         # Off by default: when True, the last-position logits each new token was chosen from ([vocab] float32 each)
         self.keep_logits = False
         self.last_logits: list[np.ndarray] = []
+        # Set by ask(logprobs=k): each new token's log-probability and its k most likely alternatives (eos excluded)
+        self.last_logprobs: list[TokenLogprob] = []
+        # Tools the model may call: the JSON text the chat template puts in the system message (None: no tools)
+        self.tools: str | None = None
+        self.token_bytes = TokenBytes(self.package_dir)
+        self._compiled: OrderedDict[Guidance, None] = OrderedDict()  # guidance known to compile
         self._models: dict[str, _Loaded] = {}
         self._live: _Live | None = None
         self._answers: OrderedDict[tuple, tuple[int, ...]] = OrderedDict()  # (system, turns so far) -> answer ids
@@ -255,31 +290,100 @@ class Chat:
             return
         for i, turn in enumerate(turns):
             if turn.answer_ids is None:
-                ids = self._answers.get((self.system, tuple(turns[:i + 1])))
+                ids = self._answers.get((self.system, self.tools, tuple(turns[:i + 1])))
                 turns[i] = replace(turn, answer_ids=ids) if ids is not None else turn
         self.turns = turns
         self._drop_live()
 
     def ask(self, text: str, images: Sequence[str | Path] = (), audios: Sequence[str | Path] = (),
-            max_new_tokens: int = 256, sampling: Sampling | None = None) -> Iterator[str]:
+            max_new_tokens: int = 256, sampling: Sampling | None = None, guidance: Guidance | None = None,
+            logprobs: int | None = None, role: str = "user") -> Iterator[str]:
         """Ask the next question; returns an iterator over the answer's text pieces as they are generated.
 
-        Files are checked, the prompt built and the inputs preprocessed before this returns (so every ChatError is
-        raised here); the turn is recorded, with the text generated so far, when the iterator ends or is closed."""
+        `guidance` constrains this answer (a JSON schema, a regex or a Lark grammar); `logprobs` (0-20) records each
+        token's log-probability and that many alternatives in ``last_logprobs``; `role` "tool" makes the question
+        the results of the calls in the last answer (see ``prompt.tool_results``).
+        Files are checked, the prompt built, the inputs preprocessed and the grammar compiled before this returns (so
+        every ChatError is raised here); the turn is recorded, with the text generated so far, when the iterator
+        ends or is closed."""
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
-        turn = Turn(text, tuple(check_image(p) for p in images), tuple(check_audio(p) for p in audios))
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+        turn = Turn(text, tuple(check_image(p) for p in images), tuple(check_audio(p) for p in audios), role=role)
         sampling = sampling or Sampling()
-        request = self._follow_up(turn, max_new_tokens, sampling)
+        loaded = self._load(self.next_variant(images, audios))
+        header = self._header(loaded)
+        if guidance is not None:
+            self._check_guidance(loaded, guidance)
+        request = self._follow_up(turn, max_new_tokens, sampling, guidance)
         if request is None:
             conversation = [*self.turns, turn]
-            prompt = build_prompt(conversation, self.system)
+            prompt = build_prompt(conversation, self.system, header)
             request = self._prepare(prompt, [p for t in conversation for p in t.images],
                                     [p for t in conversation for p in t.audios], max_new_tokens, sampling,
                                     room=self.follow_up_room, turns=conversation)
+        request.guidance, request.logprobs = guidance, logprobs
         return self._answer(request, max_new_tokens, turn)
 
-    def _follow_up(self, turn: Turn, max_new_tokens: int, sampling: Sampling) -> _Request | None:
+    # ---- tools and guidance --------------------------------------------------------------------------------------
+
+    def tool_call_ids(self, variant: str | None = None) -> tuple[int, int] | None:
+        """The ids of the call markers (<|tool_call|>, <|/tool_call|>) in the package's tokenizer; None when it has
+        no such tokens (each must be one token)."""
+        ids = {text: token for token, text in self._load(variant or self.next_variant()).markers().items()}
+        return (ids[TOOL_CALL_OPEN], ids[TOOL_CALL_CLOSE]) if len(ids) == 2 else None
+
+    def tool_guidance(self, functions: Sequence[tuple[str, dict[str, Any]]], single: bool) -> Guidance:
+        """The grammar of a call block naming only `functions` ((name, parameters schema) pairs)."""
+        ids = self.tool_call_ids()
+        if ids is None:
+            raise ToolsNotSupportedError("this package's tokenizer has no tool-call tokens "
+                                         f"({TOOL_CALL_OPEN}, {TOOL_CALL_CLOSE}), so it cannot call tools")
+        return tool_call_grammar(*ids, functions, single)
+
+    def _header(self, loaded: _Loaded) -> str | None:
+        """The system message with the tools, rendered by the package's chat template; None without tools."""
+        if self.tools is None:
+            return None
+        if self.tool_call_ids() is None:
+            raise ToolsNotSupportedError("this package's tokenizer has no tool-call tokens "
+                                         f"({TOOL_CALL_OPEN}, {TOOL_CALL_CLOSE}), so it cannot call tools")
+        # The runtime's template engine parses the tools and prints them back Python-style (['a'] for ["a"]), where
+        # the original template concatenates the text as given: render sentinels, then put the texts in their place.
+        message = {"role": "system", "content": _SYSTEM_SENTINEL, "tools": json.dumps(_TOOLS_SENTINEL)}
+        try:
+            rendered = loaded.tokenizer.apply_chat_template(messages=json.dumps([message]),
+                                                            add_generation_prompt=True)
+        except RuntimeError as exc:
+            raise ToolsNotSupportedError(f"the package's chat template cannot render tools: {first_line(exc)}") \
+                from None
+        tools_at = rendered.find(json.dumps(_TOOLS_SENTINEL))
+        if tools_at < 0 or rendered.count(_SYSTEM_SENTINEL) != 1 or not rendered.endswith(ASSISTANT):
+            raise ToolsNotSupportedError("the package's chat template has no tools in its system message")
+        rendered = rendered[:-len(ASSISTANT)]
+        rendered = rendered[:tools_at] + self.tools + rendered[tools_at + len(json.dumps(_TOOLS_SENTINEL)):]
+        return rendered.replace(_SYSTEM_SENTINEL, self.system or "")
+
+    def _check_guidance(self, loaded: _Loaded, guidance: Guidance) -> None:
+        """Compile the grammar now (the runtime compiles it when a generator starts), so a bad one fails in ask;
+        grammars that compiled recently are not compiled twice."""
+        if guidance in self._compiled:
+            self._compiled.move_to_end(guidance)
+            return
+        params = og.GeneratorParams(loaded.model)
+        params.set_search_options(max_length=2)
+        try:
+            params.set_guidance(guidance.kind, guidance.data)
+            og.Generator(loaded.model, params)
+        except RuntimeError as exc:
+            raise GuidanceError(f"the {guidance.kind.replace('_', ' ')} was refused: {first_line(exc)}") from None
+        self._compiled[guidance] = None
+        while len(self._compiled) > ANSWER_MEMORY:
+            self._compiled.popitem(last=False)
+
+    def _follow_up(self, turn: Turn, max_new_tokens: int, sampling: Sampling,
+                   guidance: Guidance | None = None) -> _Request | None:
         """A request that extends the kept generator (or restarts from its token ids), or None for a new prompt."""
         live = self._live
         if turn.images or turn.audios or live is None or live.turns != self.turns or live.sampling != sampling:
@@ -288,14 +392,14 @@ class Chat:
         ids = live.token_ids()
         tokenizer = live.loaded.tokenizer
         prefix = "" if ids and ids[-1] == live.loaded.end_id else END  # an answer cut short gets its end
-        new = [int(t) for t in tokenizer.encode(prefix + user_turn(user_content(turn)))]
+        new = [int(t) for t in tokenizer.encode(prefix + user_turn(user_content(turn), turn.role))]
         total = len(ids) + len(new)
         if total >= self.max_length:
             raise PromptTooLongError(f"the conversation is {total} tokens but the maximum length is "
                                      f"{self.max_length}; start over (clear) or raise max_length")
         switch = self.manifest.original_max_position_embeddings
         crosses = switch is not None and not live.long_factors and total > switch
-        if total + max_new_tokens <= live.max_length and not crosses:
+        if total + max_new_tokens <= live.max_length and not crosses and guidance is None and not live.guided:
             return _Request(live.variant, live.loaded, started, sampling, live.max_length, total, append=new)
         # Restart over the same ids: more room, or a prompt past the LongRoPE switch (all keys with long factors).
         inputs = _with_ids(live.inputs, ids + new)
@@ -321,7 +425,7 @@ class Chat:
 
     def _record(self, turn: Turn) -> None:
         self.turns.append(turn)
-        self._answers[self.system, tuple(self.turns)] = turn.answer_ids
+        self._answers[self.system, self.tools, tuple(self.turns)] = turn.answer_ids
         while len(self._answers) > ANSWER_MEMORY:
             self._answers.popitem(last=False)
         if self._live is not None:
@@ -401,7 +505,12 @@ class Chat:
         loaded = request.loaded
         params = og.GeneratorParams(loaded.model)
         params.set_search_options(max_length=request.max_length, **request.sampling.search_options())
-        generator = og.Generator(loaded.model, params)
+        if request.guidance is not None:
+            params.set_guidance(request.guidance.kind, request.guidance.data)
+        try:
+            generator = og.Generator(loaded.model, params)
+        except RuntimeError as exc:
+            raise GuidanceError(f"the runtime refused the guidance: {first_line(exc)}") from exc
         try:
             generator.set_inputs(inputs)
         except RuntimeError as exc:
@@ -409,7 +518,7 @@ class Chat:
         tokens = int(generator.get_sequence(0).shape[-1])
         switch = self.manifest.original_max_position_embeddings
         return _Live(request.variant, loaded, generator, inputs, request.max_length, request.sampling,
-                     long_factors=switch is not None and tokens > switch)
+                     long_factors=switch is not None and tokens > switch, guided=request.guidance is not None)
 
     def _extend(self, live: _Live, ids: list[int]) -> None:
         """Prefill `ids` after the kept generator's sequence. Its last id was sampled but not yet run; it is run
@@ -437,11 +546,13 @@ class Chat:
         tokenizer = live.loaded.tokenizer
         stream = tokenizer.create_stream()
         eos = live.loaded.eos
+        markers = live.loaded.markers()
         first = None
         count = 0
         finish = "length"
         recomputed = False
         self.last_logits = []
+        self.last_logprobs = []
         try:
             while count < max_new_tokens and not live.generator.is_done():
                 if count and self._at_switch(live):
@@ -449,9 +560,13 @@ class Chat:
                     recomputed = True
                 live.generator.generate_next_token()
                 token = int(live.generator.get_next_tokens()[0])
-                if self.keep_logits:
+                if self.keep_logits or (request.logprobs is not None and token not in eos):
                     logits = np.asarray(live.generator.get_output("logits"), np.float32)
-                    self.last_logits.append(logits.reshape(-1, logits.shape[-1])[-1].copy())
+                    logits = logits.reshape(-1, logits.shape[-1])[-1].copy()
+                    if self.keep_logits:
+                        self.last_logits.append(logits)
+                    if request.logprobs is not None and token not in eos:
+                        self.last_logprobs.append(token_logprob(logits, token, request.logprobs, self.token_bytes))
                 count += 1
                 if first is None:
                     first = time.perf_counter()
@@ -459,7 +574,10 @@ class Chat:
                     finish = "stop"
                     yield token, ""
                     break
-                yield token, stream.decode(token)
+                piece = stream.decode(token)
+                # the call markers are plain added tokens in Phi-4-MM's tokenizer; one marked special would decode
+                # to nothing, and the calls could not be found in the text
+                yield token, piece or markers.get(token, "")
         finally:
             end = time.perf_counter()
             decode_s = end - first if first is not None else 0.0
@@ -479,7 +597,8 @@ class Chat:
     def _at_switch(self, live: _Live) -> bool:
         """The next step would run the first position past the LongRoPE switch on a cache of short-factor keys."""
         switch = self.manifest.original_max_position_embeddings
-        return switch is not None and not live.long_factors and int(live.generator.token_count()) > switch
+        return (switch is not None and not live.long_factors and not live.guided
+                and int(live.generator.token_count()) > switch)
 
     def _recompute(self, live: _Live) -> None:
         """Replace the generator by one prefilled with every id so far: each key gets the long factors."""

@@ -27,6 +27,14 @@ class PromptTooLongError(ChatError):
     """The conversation does not fit in the maximum length."""
 
 
+class GuidanceError(ChatError):
+    """The runtime's grammar compiler refused a schema, pattern or grammar."""
+
+
+class ToolsNotSupportedError(ChatError):
+    """The package's tokenizer has no tool tokens, or its chat template no tools branch."""
+
+
 def first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__

@@ -11,6 +11,7 @@ from builder_plugin.runtime.errors import TagMismatchError
 
 END = "<|end|>"  # end of a turn; also the end-of-sequence token that closes an answer
 ASSISTANT = "<|assistant|>"
+USER, TOOL = "user", "tool"  # roles of a question: a user's, or the results of the calls in the answer before it
 _TAG = re.compile(r"<\|(image|audio)_(\d+)\|>")
 _PLACEHOLDER = re.compile(r"<\|endoftext1[01]\|>")
 
@@ -18,13 +19,16 @@ _PLACEHOLDER = re.compile(r"<\|endoftext1[01]\|>")
 @dataclass(frozen=True)
 class Turn:
     """One question with its attached files and, once answered, the answer (and, when known, the token ids the
-    answer was generated as: a prompt rebuilt from the turns then uses them instead of re-tokenising the text)."""
+    answer was generated as: a prompt rebuilt from the turns then uses them instead of re-tokenising the text).
+    A ``tool`` turn carries the results of the tool calls the answer before it made, as the chat template renders
+    them (``<|tool|>result<|end|>`` per result)."""
 
     user: str
     images: tuple[Path, ...] = ()
     audios: tuple[Path, ...] = ()
     assistant: str | None = None
     answer_ids: tuple[int, ...] | None = field(default=None, compare=False)
+    role: str = USER
 
 
 def check_tags(text: str, num_images: int, num_audios: int) -> None:
@@ -66,14 +70,15 @@ def user_content(turn: Turn, first_image: int = 1, first_audio: int = 1) -> str:
     return prefix + text
 
 
-def build_prompt(turns: Sequence[Turn | str], system: str | None = None) -> str:
+def build_prompt(turns: Sequence[Turn | str], system: str | None = None, header: str | None = None) -> str:
     """The Phi-4 chat prompt: ``<|system|>…<|end|>`` then ``<|user|>…<|end|><|assistant|>answer<|end|>`` per turn,
-    ending with ``<|assistant|>`` after the last (unanswered) question. Plain strings are questions without media."""
-    parts = [f"<|system|>{system}{END}"] if system else []
+    ending with ``<|assistant|>`` after the last (unanswered) question. Plain strings are questions without media.
+    `header`, when given, is the rendered system message (with its tools) and replaces the one made of `system`."""
+    parts = [header] if header is not None else [f"<|system|>{system}{END}"] if system else []
     images = audios = 0
     for i, turn in enumerate(turns):
         turn = Turn(turn) if isinstance(turn, str) else turn
-        parts.append(user_turn(user_content(turn, images + 1, audios + 1)))
+        parts.append(user_turn(user_content(turn, images + 1, audios + 1), turn.role))
         images += len(turn.images)
         audios += len(turn.audios)
         if turn.assistant is not None:
@@ -83,6 +88,11 @@ def build_prompt(turns: Sequence[Turn | str], system: str | None = None) -> str:
     return "".join(parts)
 
 
-def user_turn(content: str) -> str:
+def user_turn(content: str, role: str = USER) -> str:
     """One question in the chat format, ending with the assistant's cue."""
-    return f"<|user|>{content}{END}{ASSISTANT}"
+    return f"<|{role}|>{content}{END}{ASSISTANT}"
+
+
+def tool_results(results: Sequence[str]) -> str:
+    """The content of a tool turn holding `results` (one ``<|tool|>…<|end|>`` each once rendered)."""
+    return f"{END}<|{TOOL}|>".join(results)

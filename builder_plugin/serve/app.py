@@ -8,6 +8,7 @@ import functools
 import json
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from builder_plugin.runtime import Chat
+from builder_plugin.runtime import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Chat, TokenLogprob
 from builder_plugin.serve.errors import ApiError
 from builder_plugin.serve.media import MediaCache, MediaReader
 from builder_plugin.serve.protocol import ChatCompletionRequest, Reply, parse_conversation, parse_request, usage
-from builder_plugin.serve.worker import Event, Failed, Finished, Job, Piece, Started, Worker
+from builder_plugin.serve.tools import stream_deltas
+from builder_plugin.serve.worker import Event, Failed, Finished, Job, Piece, Started, ToolCalls, Worker
 
 log = logging.getLogger("builder_plugin.serve")
 
@@ -95,15 +97,21 @@ class Server:
                 streaming = True  # the stream releases the media when it ends
                 return StreamingResponse(_stream(job, events, reply, parsed.include_usage, release),
                                          media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-            text, finished = await _until_disconnect(request, job, _collect(events))
+            answer = await _until_disconnect(request, job, _collect(events))
         finally:
             if not streaming:
                 release()
-        return JSONResponse(reply.completion(text, finished.finish_reason,
-                                             usage(finished.prompt_tokens, finished.completion_tokens)))
+        finished = answer.finished
+        return JSONResponse(reply.completion(answer.text or (None if answer.calls else ""), finished.finish_reason,
+                                             usage(finished.prompt_tokens, finished.completion_tokens),
+                                             answer.calls, answer.logprobs if job.logprobs is not None else None))
 
     async def _submit(self, parsed: ChatCompletionRequest, media: MediaReader) -> tuple[Job, asyncio.Queue[Event]]:
         """Parse the messages (decoding media into the cache) and queue the job; raises ApiError (400, 429)."""
+        tools = parsed.tool_spec
+        if tools is not None and tools.offered and not await run_in_threadpool(self._has_tool_tokens):
+            raise ApiError(f"tools: this model's tokenizer has no tool-call tokens ({TOOL_CALL_OPEN}, "
+                           f"{TOOL_CALL_CLOSE}), so it cannot call tools", param="tools", code="tools_not_supported")
         conversation = await run_in_threadpool(parse_conversation, parsed.messages, media)
         if conversation.has_audio and not self.chat.has_speech:
             raise ApiError("this model has no speech encoder, so it cannot take audio", param="messages",
@@ -111,11 +119,14 @@ class Server:
         events: asyncio.Queue[Event] = asyncio.Queue()
         job = Job(conversation, emit=_emitter(asyncio.get_running_loop(), events),
                   max_new_tokens=parsed.max_new_tokens, sampling=parsed.sampling, stops=parsed.stop_strings,
-                  labels=media.labels)
+                  labels=media.labels, guidance=parsed.guidance, tools=tools, logprobs=parsed.top)
         self.worker.submit(job)
         return job, events
 
     # ---- helpers -------------------------------------------------------------------------------------------------
+
+    def _has_tool_tokens(self) -> bool:
+        return {TOOL_CALL_OPEN, TOOL_CALL_CLOSE} <= self.chat.token_bytes.added
 
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.model_id, "object": "model", "created": 0, "owned_by": "builder_plugin"}
@@ -143,14 +154,27 @@ def _emitter(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[Event]):
     return emit
 
 
-async def _collect(events: asyncio.Queue[Event]) -> tuple[str, Finished]:
-    pieces = []
+@dataclass
+class _Answer:
+    text: str
+    finished: Finished
+    calls: list[dict[str, Any]]
+    logprobs: list[TokenLogprob]
+
+
+async def _collect(events: asyncio.Queue[Event]) -> _Answer:
+    pieces: list[str] = []
+    calls: list[dict[str, Any]] = []
+    logprobs: list[TokenLogprob] = []
     while True:
         event = await events.get()
         if isinstance(event, Piece):
             pieces.append(event.text)
+            logprobs.extend(event.logprobs)
+        elif isinstance(event, ToolCalls):
+            calls.extend(event.calls)
         elif isinstance(event, Finished):
-            return "".join(pieces), event
+            return _Answer("".join(pieces), event, calls, logprobs)
         elif isinstance(event, Failed):
             raise event.error
 
@@ -180,12 +204,16 @@ async def _stream(job: Job, events: asyncio.Queue[Event], reply: Reply, include_
                   release: Callable[[], None]) -> AsyncIterator[str]:
     """Server-sent events: a role chunk, content chunks, a finish chunk, a usage chunk when asked, then [DONE].
     Starlette cancels this when the client disconnects; the job is then cancelled too."""
+    logprobs = job.logprobs is not None
     try:
         yield _sse(reply.chunk({"role": "assistant", "content": ""}))
         while True:
             event = await events.get()
             if isinstance(event, Piece):
-                yield _sse(reply.chunk({"content": event.text}))
+                yield _sse(reply.chunk({"content": event.text}, logprobs=list(event.logprobs) if logprobs else None))
+            elif isinstance(event, ToolCalls):
+                for delta in stream_deltas(event.calls):
+                    yield _sse(reply.chunk(delta))
             elif isinstance(event, Finished):
                 yield _sse(reply.chunk({}, event.finish_reason))
                 if include_usage:

@@ -13,20 +13,27 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from builder_plugin import runtime
-from builder_plugin.runtime import Sampling, Turn
+from builder_plugin.runtime import MAX_TOP_LOGPROBS, TOOL, Guidance, Sampling, TokenLogprob, Turn, tool_results
 from builder_plugin.serve.errors import ApiError
+from builder_plugin.serve.fields import check_fields
 from builder_plugin.serve.media import MediaReader
+from builder_plugin.serve.structured import response_guidance
+from builder_plugin.serve.tools import Tools, call_block, parse_tools
 
-ROLES = ("system", "developer", "user", "assistant")  # developer: the newer name of system
+ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: the newer name of system
 MAX_STOP_STRINGS = 4
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
     include_usage: bool = False
+    include_obfuscation: bool = False  # padding against side channels; a local server sends none
 
 
 class ChatCompletionRequest(BaseModel):
-    """The fields this server reads; other fields of the OpenAI request are accepted and ignored."""
+    """The fields this server reads (fields.check_fields has refused the ones it cannot honour; the informational
+    ones are left out here)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -43,7 +50,11 @@ class ChatCompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     n: int = 1
     tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -63,6 +74,19 @@ class ChatCompletionRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def top(self) -> int | None:
+        """Log-probabilities asked for: the number of alternatives per token (None: no log-probabilities)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    @property
+    def guidance(self) -> Guidance | None:
+        return response_guidance(self.response_format)
+
+    @property
+    def tool_spec(self) -> Tools | None:
+        return parse_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+
 
 def parse_request(body: bytes) -> ChatCompletionRequest:
     """The request in `body`; raises ApiError (400) naming the first problem."""
@@ -72,6 +96,7 @@ def parse_request(body: bytes) -> ChatCompletionRequest:
         raise ApiError(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(data, dict):
         raise ApiError("the request body must be a JSON object", code="invalid_json")
+    check_fields(data)
     try:
         request = ChatCompletionRequest.model_validate(data)
     except ValidationError as exc:
@@ -85,10 +110,13 @@ def parse_request(body: bytes) -> ChatCompletionRequest:
 def _refuse_unsupported(request: ChatCompletionRequest) -> None:
     if request.n != 1:
         raise ApiError("n: only one choice per request is supported (n=1)", param="n")
-    if request.tools:
-        raise ApiError("tools: tool calls are not supported", param="tools")
-    if request.logprobs:
-        raise ApiError("logprobs: log probabilities are not supported", param="logprobs")
+    if request.top_logprobs is not None and not request.logprobs:
+        raise ApiError("top_logprobs: needs logprobs: true", param="top_logprobs")
+    tools = request.tool_spec  # raises for bad tools
+    guidance = request.guidance  # raises for a bad response_format
+    if tools is not None and tools.constrained and guidance is not None:
+        raise ApiError("response_format: cannot be combined with a required tool call (tool_choice)",
+                       param="response_format")
     stops = request.stop_strings
     if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
         raise ApiError(f"stop: up to {MAX_STOP_STRINGS} non-empty strings", param="stop")
@@ -112,37 +140,64 @@ class Conversation:
 
 def parse_conversation(messages: list[dict[str, Any]], media: MediaReader) -> Conversation:
     """Messages in OpenAI form as a conversation: leading system messages are the system prompt, each user message
-    (consecutive ones merged) is a question, each assistant message the answer to the question before it; the last
-    message must be a user message. Media parts become files through `media`."""
+    (consecutive ones merged) is a question, each assistant message the answer to the question before it (its
+    tool_calls written as the model's call block); the tool messages after an answer with calls are the next
+    question, in the tool role. The last message must be a user or tool message. Media parts become files through
+    `media`."""
     system: list[str] = []
     turns: list[Turn] = []
     parts: list[tuple[str, Any]] = []  # the open question: ("text", str) / ("image", Path) / ("audio", Path)
+    results: list[str] = []  # or the open tool results
     question_at = 0
+    called = False  # the last answer made tool calls
     for i, message in enumerate(messages):
         param = f"messages[{i}]"
+        if not isinstance(message, dict):
+            raise ApiError(f"{param}: must be an object", param=param)
         role = message.get("role")
         if role not in ROLES:
-            raise ApiError(f"{param}.role: unsupported role {role!r} (use system, user or assistant)",
+            raise ApiError(f"{param}.role: unsupported role {role!r} (use system, user, assistant or tool)",
                            param=f"{param}.role")
         content = message.get("content")
         if role in ("system", "developer"):
-            if turns or parts:
+            if turns or parts or results:
                 raise ApiError(f"{param}: system messages must come before the conversation", param=param)
             system.append(_text_only(content, param))
         elif role == "user":
+            if results:
+                raise ApiError(f"{param}: the tool results before it need an assistant answer first", param=param)
             if not parts:
                 question_at = i
             parts.extend(_user_parts(content, param, media))
+        elif role == "tool":
+            if parts or not (called or results):
+                raise ApiError(f"{param}: a tool message must follow an assistant message with tool_calls",
+                               param=param)
+            if not isinstance(message.get("tool_call_id"), str):
+                raise ApiError(f"{param}.tool_call_id: required", param=f"{param}.tool_call_id")
+            if not results:
+                question_at = i
+            results.append(_text_only(content, param))
         else:
-            if not parts:
-                raise ApiError(f"{param}: an assistant message must answer a user message", param=param)
-            turns.append(_turn(parts, f"messages[{question_at}]", _text_only(content, param)))
-            parts = []
-    if not parts:
-        raise ApiError("messages: the last message must be a user message (the question to answer)",
+            if not parts and not results:
+                raise ApiError(f"{param}: an assistant message must answer a user or tool message", param=param)
+            answer = "" if content is None and message.get("tool_calls") else _text_only(content, param)
+            called = bool(message.get("tool_calls"))
+            if called:
+                answer += call_block(message["tool_calls"], f"{param}.tool_calls")
+            turns.append(_question(parts, results, f"messages[{question_at}]", answer))
+            parts, results = [], []
+    if not parts and not results:
+        raise ApiError("messages: the last message must be a user or tool message (the question to answer)",
                        param="messages")
-    question = _turn(parts, f"messages[{question_at}]", None)
+    question = _question(parts, results, f"messages[{question_at}]", None)
     return Conversation("\n".join(system) if system else None, tuple(turns), question)
+
+
+def _question(parts: list[tuple[str, Any]], results: list[str], param: str, answer: str | None) -> Turn:
+    if results:
+        return Turn(tool_results(results), assistant=answer, role=TOOL)
+    return _turn(parts, param, answer)
 
 
 def _text_only(content: Any, param: str) -> str:
@@ -224,15 +279,22 @@ class Reply:
     def new(cls, model: str) -> Reply:
         return cls(model, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))
 
-    def completion(self, text: str, finish_reason: str, usage: dict[str, int]) -> dict[str, Any]:
+    def completion(self, text: str | None, finish_reason: str, usage: dict[str, int],
+                   tool_calls: list[dict[str, Any]] | None = None,
+                   logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if tool_calls:
+            message["tool_calls"] = tool_calls
         return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                             "logprobs": None, "finish_reason": finish_reason}],
+                "choices": [{"index": 0, "message": message, "logprobs": logprobs_body(logprobs),
+                             "finish_reason": finish_reason}],
                 "usage": usage}
 
-    def chunk(self, delta: dict[str, str], finish_reason: str | None = None) -> dict[str, Any]:
+    def chunk(self, delta: dict[str, Any], finish_reason: str | None = None,
+              logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
+                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs_body(logprobs),
+                             "finish_reason": finish_reason}]}
 
     def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
         return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
@@ -242,3 +304,15 @@ class Reply:
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}
+
+
+def logprobs_body(logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
+    """The OpenAI ``logprobs`` object of a choice (None when they were not asked for)."""
+    if logprobs is None:
+        return None
+
+    def entry(alt: runtime.Alternative) -> dict[str, Any]:
+        return {"token": alt.token, "logprob": alt.logprob, "bytes": list(alt.bytes)}
+
+    return {"content": [{**entry(t.chosen), "top_logprobs": [entry(a) for a in t.top]} for t in logprobs],
+            "refusal": None}

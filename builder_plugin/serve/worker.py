@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from builder_plugin import runtime
-from builder_plugin.runtime import Chat, Sampling
+from builder_plugin.runtime import Chat, Guidance, Sampling, TokenLogprob
 from builder_plugin.serve.errors import ApiError, queue_full, server_error, shutting_down
 from builder_plugin.serve.protocol import Conversation
 from builder_plugin.serve.stop import StopScanner
+from builder_plugin.serve.tools import CallScanner, Tools
 
 log = logging.getLogger("builder_plugin.serve")
 
@@ -29,11 +30,17 @@ class Started:
 @dataclass(frozen=True)
 class Piece:
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens generated since the last piece
+
+
+@dataclass(frozen=True)
+class ToolCalls:
+    calls: list[dict]  # OpenAI tool_calls, complete
 
 
 @dataclass(frozen=True)
 class Finished:
-    finish_reason: str  # "stop" (end of answer or a stop string) or "length"
+    finish_reason: str  # "stop" (end of answer or a stop string), "length" or "tool_calls"
     prompt_tokens: int
     completion_tokens: int
 
@@ -43,7 +50,7 @@ class Failed:
     error: ApiError
 
 
-Event = Started | Piece | Finished | Failed
+Event = Started | Piece | ToolCalls | Finished | Failed
 
 
 @dataclass
@@ -54,6 +61,9 @@ class Job:
     sampling: Sampling = field(default_factory=Sampling)
     stops: tuple[str, ...] = ()
     labels: dict[Path, str] = field(default_factory=dict)  # media file -> its place in the request
+    guidance: Guidance | None = None  # response_format
+    tools: Tools | None = None
+    logprobs: int | None = None  # alternatives per token when log-probabilities are asked for
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -128,19 +138,28 @@ class Worker:
         chat = self.chat
         conversation = job.conversation
         question = conversation.question
+        tools = job.tools if job.tools is not None and job.tools.offered else None
+        guidance, guided_by = job.guidance, "response_format"
         try:
-            if chat.system != conversation.system:
-                chat.system = conversation.system
+            tools_text = tools.template_text() if tools is not None else None
+            if chat.system != conversation.system or chat.tools != tools_text:
+                chat.system, chat.tools = conversation.system, tools_text
                 chat.clear()
+            if tools is not None and tools.constrained:
+                guidance, guided_by = chat.tool_guidance(tools.grammar_functions(), tools.single_call), "tools"
             chat.restore(conversation.history)
             pieces = chat.ask(question.user, question.images, question.audios,
-                              max_new_tokens=job.max_new_tokens or chat.max_length, sampling=job.sampling)
+                              max_new_tokens=job.max_new_tokens or chat.max_length, sampling=job.sampling,
+                              guidance=guidance, logprobs=job.logprobs, role=question.role)
         except runtime.ChatError as exc:
-            job.emit(Failed(chat_error(exc, job.labels)))
+            job.emit(Failed(chat_error(exc, job.labels, guided_by)))
             return
         job.emit(Started())
         scanner = StopScanner(job.stops)
+        calls = CallScanner() if tools is not None else None
         stopped = False
+        sent = 0  # log-probabilities sent so far
+        found: list[dict] = []
         try:
             for piece in pieces:
                 if job.cancelled.is_set():
@@ -148,30 +167,46 @@ class Worker:
                         job.emit(Failed(shutting_down()))
                     return
                 text, stopped = scanner.feed(piece)
-                if text:
-                    job.emit(Piece(text))
+                if calls is not None:
+                    text = calls.feed(text)
+                logprobs = tuple(chat.last_logprobs[sent:]) if job.logprobs is not None else ()
+                sent += len(logprobs)
+                if text or logprobs:
+                    job.emit(Piece(text, logprobs))
                 if stopped:
                     break
-            else:
-                if tail := scanner.flush():
-                    job.emit(Piece(tail))
+            tail = "" if stopped else scanner.flush()
+            if calls is not None:
+                tail = calls.feed(tail)
+                more, found = calls.finish(tools.names(), tools.single_call)
+                tail += more
+            if tail:
+                job.emit(Piece(tail))
+            if found:
+                job.emit(ToolCalls(found))
         except runtime.ChatError as exc:
             job.emit(Failed(chat_error(exc, job.labels)))
             return
         finally:
             pieces.close()  # stops generation; the answer so far is recorded in chat.turns
         stats = chat.last_stats
-        job.emit(Finished("stop" if stopped else stats.finish_reason, stats.prompt_tokens, stats.new_tokens))
+        reason = "tool_calls" if found else "stop" if stopped else stats.finish_reason
+        job.emit(Finished(reason, stats.prompt_tokens, stats.new_tokens))
 
 
-def chat_error(exc: runtime.ChatError, labels: dict[Path, str]) -> ApiError:
-    """The API error for a runtime error; cache paths in its message are replaced by their place in the request."""
+def chat_error(exc: runtime.ChatError, labels: dict[Path, str], guided_by: str = "response_format") -> ApiError:
+    """The API error for a runtime error; cache paths in its message are replaced by their place in the request
+    (`guided_by`: the field whose grammar a GuidanceError is about)."""
     message = str(exc)
     param = None
     for path, label in labels.items():
         if str(path) in message:
             message = message.replace(str(path), label)
             param = param or label
+    if isinstance(exc, runtime.GuidanceError):
+        return ApiError(f"{guided_by}: {message}", param=guided_by, code="invalid_schema")
+    if isinstance(exc, runtime.ToolsNotSupportedError):
+        return ApiError(f"tools: {message}", param="tools", code="tools_not_supported")
     if isinstance(exc, runtime.PromptTooLongError):
         return ApiError(message, param="messages", code="context_length_exceeded")
     if isinstance(exc, runtime.TagMismatchError):

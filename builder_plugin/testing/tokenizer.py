@@ -18,20 +18,30 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from builder_plugin.runtime.tokens import BYTE_TO_CHAR
+
 VOCAB_SIZE = 200064
 ENDOFTEXT_ID = 199999
 NUM_ENDOFTEXT_VARIANTS = 19  # <|endoftext0|> .. <|endoftext18|> at 200000 .. 200018
 ROLE_TOKENS = {"<|assistant|>": 200019, "<|end|>": 200020, "<|user|>": 200021, "<|system|>": 200022}
-FIRST_DUMMY_ID = 200023
+# The original's tool tokens at their ids, with its `special` flags: the call markers are plain added tokens, so they
+# stay in decoded text where a runtime can find the calls.
+TOOL_TOKENS = {"<|tool|>": (200023, True), "<|/tool|>": (200024, True), "<|tool_call|>": (200025, False),
+               "<|/tool_call|>": (200026, False), "<|tool_response|>": (200027, False), "<|tag|>": (200028, True)}
+FIRST_DUMMY_ID = 200029
 IMAGE_TOKEN = "<|endoftext10|>"
 AUDIO_TOKEN = "<|endoftext11|>"
 ENDOFTEXT = "<|endoftext|>"
 MAX_MERGES = 2000
 
-# Phi-4 chat format: <|system|>...<|end|><|user|>...<|end|><|assistant|>
+# The original's chat template: <|system|>...<|tool|>[tools]<|/tool|><|end|><|user|>...<|end|><|assistant|>
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
+    "{% if message['role'] == 'system' and 'tools' in message and message['tools'] is not none %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|tool|>' + message['tools'] + '<|/tool|>' + '<|end|>' }}"
+    "{% else %}"
     "{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}"
 )
@@ -55,32 +65,22 @@ image audio speech video text picture photo sound music voice question answer mo
 """
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table (the 'byte-level alphabet')."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-BYTE_TO_CHAR = _bytes_to_unicode()
-
-
 def special_tokens() -> dict[str, int]:
     """Every added token with its id, from 199999 to the end of the vocabulary."""
     tokens = {ENDOFTEXT: ENDOFTEXT_ID}
     for n in range(NUM_ENDOFTEXT_VARIANTS):
         tokens[f"<|endoftext{n}|>"] = ENDOFTEXT_ID + 1 + n
     tokens.update(ROLE_TOKENS)
+    tokens.update({content: token_id for content, (token_id, _) in TOOL_TOKENS.items()})
     for token_id in range(FIRST_DUMMY_ID, VOCAB_SIZE):
         tokens[f"<|dummy_{token_id - FIRST_DUMMY_ID}|>"] = token_id
     if len(set(tokens.values())) != len(tokens) or sorted(tokens.values()) != list(range(ENDOFTEXT_ID, VOCAB_SIZE)):
         raise AssertionError("special-token ids overlap or leave a gap")
     return tokens
+
+
+def is_special(content: str) -> bool:
+    return TOOL_TOKENS[content][1] if content in TOOL_TOKENS else True
 
 
 def _pretokenize(text: str) -> list[str]:
@@ -149,7 +149,7 @@ def _tokenizer_json_text() -> str:
             "lstrip": False,
             "rstrip": False,
             "normalized": False,
-            "special": True,
+            "special": is_special(content),
         }
         for content, token_id in special_tokens().items()
     ]
@@ -190,7 +190,7 @@ def tokenizer_config(model_max_length: int, extra_special_tokens: dict[str, str]
                 "normalized": False,
                 "rstrip": False,
                 "single_word": False,
-                "special": True,
+                "special": is_special(content),
             }
             for content, token_id in special_tokens().items()
         },

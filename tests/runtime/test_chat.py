@@ -12,7 +12,10 @@ import pytest
 
 from builder_plugin.runtime import (
     MANIFEST_FILE,
+    TOOL,
     Chat,
+    Guidance,
+    GuidanceError,
     MediaNotFoundError,
     PackageError,
     PromptTooLongError,
@@ -20,6 +23,7 @@ from builder_plugin.runtime import (
     Turn,
     UnsupportedMediaError,
     build_prompt,
+    tool_results,
 )
 from builder_plugin.testing.media import make_wav
 
@@ -55,6 +59,12 @@ def conversation(chat) -> Chat:
     yield chat
     chat.clear()
     chat.system = None
+
+
+@pytest.fixture
+def conversation_with_tools(conversation) -> Chat:
+    yield conversation
+    conversation.tools = None
 
 
 def _copy_package(package: Path, folder: Path, drop: tuple[str, ...] = ()) -> Path:
@@ -234,3 +244,67 @@ def test_missing_decoder_file(package, tmp_path):
     folder = _copy_package(package, tmp_path / "broken", drop=("phi-4-mm-text.onnx",))
     with pytest.raises(PackageError, match="decoder phi-4-mm-text.onnx is missing"):
         Chat(folder)
+
+
+# ---- guidance and tools ---------------------------------------------------------------------------------------------
+
+SHAPES = {"type": "object", "properties": {"kind": {"enum": ["circle", "square"]}, "count": {
+    "type": "integer", "minimum": 0, "maximum": 99}, "filled": {"type": "boolean"}},
+    "required": ["kind", "count", "filled"], "additionalProperties": False}
+
+
+def test_guided_answers_and_the_question_after(package, conversation):
+    import re
+
+    import jsonschema
+
+    chat = conversation
+    text = "".join(chat.ask("Describe a shape.", max_new_tokens=60, guidance=Guidance.json_schema(SHAPES)))
+    jsonschema.validate(json.loads(text), SHAPES)
+    assert chat.last_stats.finish_reason == "stop"
+    assert text == json.dumps(json.loads(text))  # the layout is fixed: no blanks left to the model
+    code = "".join(chat.ask("A code?", max_new_tokens=20, guidance=Guidance.regex(r"[A-Z]{2}-[0-9]{3}")))
+    assert re.fullmatch(r"[A-Z]{2}-[0-9]{3}", code)
+    grammar = 'start: "yes" | "no" | "maybe " NUMBER\nNUMBER: /[0-9]{1,3}/'
+    answer = "".join(chat.ask("Well?", max_new_tokens=20, guidance=Guidance.lark(grammar)))
+    assert re.fullmatch(r"yes|no|maybe [0-9]{1,3}", answer)
+    cut = "".join(chat.ask("Describe a shape.", max_new_tokens=2, guidance=Guidance.json_schema(SHAPES)))
+    assert chat.last_stats.finish_reason == "length" and chat.last_stats.new_tokens == 2 and cut
+    # The question after guided answers is free, and answered as in a Chat that was handed the same conversation.
+    free = "".join(chat.ask("Now freely.", max_new_tokens=6))
+    other = Chat(package)
+    other.restore(chat.turns[:-1])
+    assert "".join(other.ask("Now freely.", max_new_tokens=6)) == free
+    # A schema the compiler refuses fails in ask, and the conversation is unchanged.
+    turns = list(chat.turns)
+    with pytest.raises(GuidanceError, match="Invalid type: objectx"):
+        chat.ask("Again.", guidance=Guidance.json_schema({"type": "objectx"}))
+    with pytest.raises(GuidanceError, match="lark"):
+        chat.ask("Again.", guidance=Guidance.lark("start: undefined_rule"))
+    assert chat.turns == turns
+
+
+def test_tools_are_rendered_by_the_package_template(package, conversation_with_tools):
+    """A call -> result -> answer conversation is the prompt the checkpoint's own chat template makes of it
+    (transformers renders the template from the package's tokenizer files)."""
+    from transformers import PreTrainedTokenizerFast
+
+    chat = conversation_with_tools
+    chat.system = "You may call tools."
+    parameters = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"],
+                  "additionalProperties": False}
+    chat.tools = json.dumps([{"name": "get_weather", "description": "The weather", "parameters": parameters}])
+    call = "".join(chat.ask("Weather in Paris?", max_new_tokens=60,
+                            guidance=chat.tool_guidance([("get_weather", parameters)], single=True)))
+    assert call.startswith("<|tool_call|>[{") and call.endswith("}]<|/tool_call|>")
+    assert json.loads(call[len("<|tool_call|>"):-len("<|/tool_call|>")])[0]["name"] == "get_weather"
+    answer = "".join(chat.ask(tool_results(['{"temperature": 21}', '{"sky": "clear"}']), max_new_tokens=4,
+                              role=TOOL))
+    hf = PreTrainedTokenizerFast.from_pretrained(package)
+    messages = [{"role": "system", "content": chat.system, "tools": chat.tools},
+                {"role": "user", "content": "Weather in Paris?"}, {"role": "assistant", "content": call},
+                {"role": "tool", "content": '{"temperature": 21}'}, {"role": "tool", "content": '{"sky": "clear"}'}]
+    prompt = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert hf.decode(chat.token_ids) == prompt + answer
+    assert build_prompt(chat.turns, chat.system, chat._header(chat._load(chat.next_variant()))) == \
+        prompt + answer + "<|end|>"  # the turns rebuild the same prompt

@@ -341,9 +341,16 @@ def test_tokenizer_special_ids_and_chat_template(original_dir):
     expected = {"<|endoftext|>": 199999, "<|endoftext10|>": 200010, "<|endoftext11|>": 200011,
                 "<|assistant|>": 200019, "<|end|>": 200020, "<|user|>": 200021, "<|system|>": 200022}  # fmt: skip
     assert tokenizer.convert_tokens_to_ids(list(expected)) == list(expected.values())
-    assert tokenizer.convert_tokens_to_ids(["<|endoftext0|>", "<|endoftext18|>", "<|dummy_0|>", "<|dummy_40|>"]) == [
-        200000, 200018, 200023, 200063,
+    assert tokenizer.convert_tokens_to_ids(["<|endoftext0|>", "<|endoftext18|>", "<|dummy_0|>", "<|dummy_34|>"]) == [
+        200000, 200018, 200029, 200063,
     ]  # fmt: skip
+    # the original's tool tokens; the call markers are not special, so decoding keeps them in the text
+    tools = {"<|tool|>": 200023, "<|/tool|>": 200024, "<|tool_call|>": 200025, "<|/tool_call|>": 200026,
+             "<|tool_response|>": 200027, "<|tag|>": 200028}  # fmt: skip
+    assert tokenizer.convert_tokens_to_ids(list(tools)) == list(tools.values())
+    call = '<|tool_call|>[{"name": "f", "arguments": {}}]<|/tool_call|>'
+    assert tokenizer.decode(tokenizer(call).input_ids, skip_special_tokens=True) == call
+    assert tokenizer("<|tool|>").input_ids == [200023] and tokenizer.decode([200023], skip_special_tokens=True) == ""
     assert tokenizer.eos_token_id == tokenizer.bos_token_id == tokenizer.pad_token_id == 199999
     ids = tokenizer(PROMPT).input_ids
     assert ids[0] == 200021 and ids[-2:] == [200020, 200019] and len(ids) <= 6
@@ -353,6 +360,9 @@ def test_tokenizer_special_ids_and_chat_template(original_dir):
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert rendered == "<|system|>Be brief.<|end|><|user|>hi<|end|><|assistant|>"
+    messages[0]["tools"] = '[{"name": "f"}]'
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered == '<|system|>Be brief.<|tool|>[{"name": "f"}]<|/tool|><|end|><|user|>hi<|end|><|assistant|>'
 
 
 def test_tokenizer_loads_in_onnxruntime_genai(original_dir, tmp_path):

@@ -10,12 +10,15 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from builder_plugin import __version__
+
 EXECUTION_PROVIDERS = ("cpu", "cuda", "dml", "webgpu")
 
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m builder_plugin.serve",
                                 description="Serve a Phi-4-multimodal package over the OpenAI chat-completions API.")
+    p.add_argument("--version", action="version", version=f"builder_plugin {__version__}")
     p.add_argument("package", help="folder of the built package (with genai_config.json)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000,

@@ -77,8 +77,10 @@ def verify(args: argparse.Namespace) -> Report:
     from builder_plugin.verify.reference import StreamingReference, TeacherForced
     from builder_plugin.verify.report import Report
 
+    bars_off = True if args.no_progress else None  # None: bars on a terminal only, no \r-lines in a log
+
     def progress(items, desc):
-        return tqdm(items, desc=desc, leave=False, disable=args.no_progress)
+        return tqdm(items, desc=desc, leave=False, disable=bars_off)
 
     timings: dict[str, float] = {}
     package = args.package.expanduser()
@@ -101,7 +103,7 @@ def verify(args: argparse.Namespace) -> Report:
         started = time.perf_counter()
         steps = len(cases) * args.max_new_tokens
         with MemorySampler() as package_memory, tqdm(total=steps, desc="package: onnxruntime-genai", leave=False,
-                                                      disable=args.no_progress) as bar:
+                                                      disable=bars_off) as bar:
             runs = run_package(str(package), cases, args.max_new_tokens, on_step=bar.update)
         timings["package"] = time.perf_counter() - started
     peak_gb = {"package": _peak_rss_gb()}

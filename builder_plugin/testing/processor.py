@@ -34,8 +34,14 @@ from genai_config import (
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
 
-# Removed when the process exits (or the entry is dropped): the stubs are rebuilt in a second.
+# Removed by remove_stubs() or when the process exits: the stubs are rebuilt in a second.
 _STUB_DIRS: dict[tuple[str, str], tempfile.TemporaryDirectory] = {}
+
+
+def remove_stubs() -> None:
+    """Delete the stub folders `processor_inputs` wrote (a test session does at its end)."""
+    while _STUB_DIRS:
+        _STUB_DIRS.popitem()[1].cleanup()
 
 
 def stub_specs(config: Phi4MMConfig, io_dtype: str) -> dict[Component, IOSpec]:

@@ -297,6 +297,12 @@ def test_parsing_the_command_line_imports_no_heavy_module(module: str, args: lis
     assert not names & set(HEAVY_MODULES), sorted(names & set(HEAVY_MODULES))
 
 
+def test_a_bad_build_option_is_refused_before_any_heavy_import(tmp_path: Path) -> None:
+    result, names = imported_modules("-m", "builder_plugin", "-i", str(tmp_path), "--extra_options", "int4_algo=rtn")
+    assert result.returncode == 1 and "error: " in result.stderr and "int4_algo" in result.stderr
+    assert not names & set(HEAVY_MODULES), sorted(names & set(HEAVY_MODULES))
+
+
 def test_version_is_the_installed_distribution_version() -> None:
     from importlib.metadata import version
 

@@ -602,6 +602,19 @@ def test_media_cache_is_bounded_and_keeps_files_in_use(tmp_path):
         MediaReader(cache).audio("***", "wav", "x")
 
 
+def test_media_cache_in_a_folder_that_was_there_touches_only_its_own_files(tmp_path):
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    (folder / "mine.bin").write_bytes(b"x" * 1000)  # over the bound on its own
+    cache = MediaCache(folder, max_bytes=250)
+    first = cache.store(b"a" * 100, ".wav")
+    cache.release([first])
+    second = cache.store(b"b" * 100, ".wav")
+    assert first.is_file() and second.is_file()  # 200 bytes of its own: under the bound
+    cache.close()
+    assert sorted(p.name for p in folder.iterdir()) == ["mine.bin"]
+
+
 def test_media_that_is_not_audio_is_never_stored(media_dir, tmp_path):
     cache = MediaCache(tmp_path / "cache", MB)
     reader = MediaReader(cache)

@@ -95,7 +95,7 @@ class MediaCache:
 
     def _evict(self) -> None:
         files = []
-        for path in self.folder.iterdir():
+        for path in list(self._stored):  # only its own files: a --media-cache folder may hold the user's too
             try:
                 stat = path.stat()
             except FileNotFoundError:

@@ -11,10 +11,11 @@ import traceback
 from collections.abc import Sequence
 from pathlib import Path
 
+from builder_plugin import __version__
 from builder_plugin.errors import BuildError, InputError
 from builder_plugin.extra_options import ALGO_CONFIGS, DEFAULT_ALGO_CONFIG, EXTRA_OPTIONS, check_extra_options
+from builder_plugin.layout import Component
 from builder_plugin.options import EXECUTION_PROVIDERS, LORA_CHOICES, PRECISIONS, BuildOptions
-from builder_plugin.spec import Component
 
 COMPONENT_ALIASES: dict[str, frozenset[Component]] = {
     "all": frozenset(Component),
@@ -44,12 +45,16 @@ def parse_extra_options(pairs: Sequence[str]) -> dict[str, str]:
     return options
 
 
-def make_parser() -> argparse.ArgumentParser:
+PROG = "python -m builder_plugin"
+
+
+def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m builder_plugin",
+        prog=prog,
         description="Build the four-model ONNX Runtime GenAI package (vision, speech, embedding, text decoder) of "
         "Phi-4-multimodal-instruct, with genai_config.json and processor configs.",
     )
+    p.add_argument("--version", action="version", version=f"builder_plugin {__version__}")
     src = p.add_argument_group("input and output")
     src.add_argument("-m", "--model_name", help="Hugging Face model id (or a local folder), "
                      "e.g. microsoft/Phi-4-multimodal-instruct; only the files a build needs are downloaded (config, "
@@ -107,8 +112,14 @@ def default_output(model_dir: Path, model_name: str | None, precision: str, prov
     return Path.cwd() / f"{base}-{precision}-{provider}"
 
 
+def invoked_as() -> str:
+    """The command's name for its usage line: the console script's own name, or `python -m builder_plugin`."""
+    name = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    return PROG if name in ("", "__main__.py", "-c") else name
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = make_parser().parse_args(argv)
+    args = make_parser(invoked_as() if argv is None else PROG).parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING, format="%(message)s")
     stop = StopSignals()
     try:
@@ -121,6 +132,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # anything unexpected still gets one line unless --verbose
         if stop.received:  # the interrupt surfaced as another error (e.g. an ImportError when it hit a module's import)
             return _fail(INTERRUPTED, args.verbose)
+        if isinstance(exc, ModuleNotFoundError) and exc.name and not exc.name.startswith("builder_plugin"):
+            return _fail(f"{exc.name} is not installed: building needs the build extra "  # the base install only runs
+                         f"(pip install \"builder_plugin[build]\", README \"Set up\")", args.verbose)
         return _fail(f"{type(exc).__name__}: {exc} (run with --verbose for details)", args.verbose)
 
 

@@ -11,10 +11,6 @@ import argparse
 import sys
 from pathlib import Path
 
-from builder_plugin.build import build
-from builder_plugin.errors import BuildError
-from builder_plugin.options import BuildOptions
-
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m builder_plugin.demo", description=__doc__.splitlines()[0])
@@ -23,6 +19,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=24)
     args = parser.parse_args(argv)
 
+    from builder_plugin.build import build  # after parsing: --help does not wait for torch
+    from builder_plugin.errors import BuildError
+    from builder_plugin.options import BuildOptions
     from builder_plugin.runtime import Chat, ChatError
     from builder_plugin.testing.make_checkpoint import make_checkpoint
     from builder_plugin.testing.media import make_image, make_wav

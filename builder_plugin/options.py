@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from builder_plugin.extra_options import DEFAULT_ALGO_CONFIG, QUANTIZED_PRECISIONS, check_extra_options
-from builder_plugin.spec import Component
+from builder_plugin.layout import Component
 
 Precision = Literal["fp32", "fp16", "int4", "int8"]
 ExecutionProvider = Literal["cpu", "cuda", "dml", "webgpu"]

@@ -93,8 +93,9 @@ class PackageWriter:
         values = [v for v in _initializers(model.graph) if v.const_value is not None]
         large = [v for v in values if v.const_value.nbytes > INLINE_LIMIT_BYTES]
         total = sum(v.const_value.nbytes for v in large)
+        # disable=None: a bar on a terminal only (into a log or a pipe it would write a \r-line per update)
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {filename}", leave=False,
-                  disable=not self.progress) as bar:
+                  disable=None if self.progress else True) as bar:
             for value in large:
                 bar.set_postfix_str(value.name, refresh=False)  # e.g. model.layers.12.attn.qkv_proj.MatMul.weight_Q4
                 tensor = value.const_value

@@ -28,9 +28,9 @@ import numpy as np
 import onnx_ir as ir
 
 from builder_plugin.dtypes import DTYPES, GRAPH_FLOATS
+from builder_plugin.extra_options import METHODS
 from builder_plugin.graph import MS_DOMAIN
 
-METHODS: tuple[str, ...] = ("default", "rtn", "k_quant")
 BITS_CHOICES: tuple[int, ...] = (4, 8)
 # Float bytes quantized per slab when a weight can be produced column range by column range. k_quant's numpy
 # search keeps about ten float32 arrays of the slab's size alive, so its slabs are smaller.

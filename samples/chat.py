@@ -62,7 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.prompt is not None:
             return ask_once(chat, args.prompt, images, audios, args.max_new_tokens)
     except runtime.ChatError as exc:
-        return _error(str(exc))
+        return _error(describe(exc))
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
@@ -131,7 +131,7 @@ def interactive(chat: runtime.Chat, images: list[Path], audios: list[Path], max_
                 print("(attachments dropped; attach them again with /image or /audio)")
             continue
         except runtime.ChatError as exc:
-            _error(str(exc))
+            _error(describe(exc))
             continue
         except KeyboardInterrupt:
             print(" [stopped]")
@@ -173,6 +173,13 @@ def _show_attached(images: list[Path], audios: list[Path]) -> None:
     if images or audios:
         names = [f"image {p}" for p in images] + [f"audio {p}" for p in audios]
         print(f"(attached to the next question: {', '.join(names)})")
+
+
+def describe(exc: runtime.ChatError) -> str:
+    """The error in this program's terms: its command and option, not the Python API's."""
+    if isinstance(exc, runtime.PromptTooLongError):
+        return f"{exc.summary}; start over with /clear, or run with a larger --max-length"
+    return str(exc)
 
 
 def _error(message: str) -> int:

@@ -4,6 +4,10 @@ split one (a decoder file per input mode)."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -11,6 +15,16 @@ import pytest
 from builder_plugin.checkpoint.reader import CheckpointReader
 from builder_plugin.checkpoint.routing import route_weights
 from builder_plugin.config import Phi4MMConfig
+
+# What the code under test (and every subprocess a test starts) writes to the system temp folder goes to a folder of
+# this session's, which must be empty again at the end (pytest_sessionfinish); pytest's own base temp folder stays in
+# the system temp folder, removed by pytest after a passing session (tmp_path_retention_policy in pyproject.toml).
+os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+SESSION_TEMP = Path(tempfile.mkdtemp(prefix="builder-plugin-tests-"))
+os.environ["TMPDIR"] = str(SESSION_TEMP)
+tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+# Not ours: onnxruntime's telemetry session id, torch's compile cache (removed with the session's folder).
+FOREIGN_TEMP_PREFIXES = (".ses", "torchinductor_")
 
 TINY_SEED = 0
 # search.max_length of the shared packages: a short KV cache keeps every generator cheap.
@@ -102,3 +116,18 @@ def tiny_split_package(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint
 def tiny_native_package(tmp_path_factory: pytest.TempPathFactory, tiny_native_checkpoint: Path) -> Path:
     """fp32 CPU package of `tiny_native_checkpoint` (routed LoRA)."""
     return build_tiny_package(tmp_path_factory, tiny_native_checkpoint)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the session if anything of ours is left in the temp folder; remove the session's temp folder."""
+    processor = sys.modules.get("builder_plugin.testing.processor")
+    if processor is not None:  # its stubs are kept for the whole session
+        processor.remove_stubs()
+    left = sorted(p.name for p in SESSION_TEMP.iterdir() if not p.name.startswith(FOREIGN_TEMP_PREFIXES))
+    shutil.rmtree(SESSION_TEMP, ignore_errors=True)
+    if left:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"error: the tests left {', '.join(left)} in the temp folder", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

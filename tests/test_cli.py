@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -273,3 +274,49 @@ def test_missing_adapter_is_refused_before_any_work(tiny_checkpoint: Path, tiny_
     validate_options(BuildOptions(model_dir=tiny_checkpoint, output_dir=Path("unused"), lora="none"), config)
     with pytest.raises(InputError, match="unknown --lora choice"):
         validate_options(BuildOptions(model_dir=tiny_checkpoint, output_dir=Path("unused"), lora="all"), tiny_config)
+
+
+HEAVY_MODULES = ("torch", "transformers", "onnx", "onnx_ir", "onnxruntime", "numpy", "safetensors")
+
+
+def imported_modules(*command: str) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Run `python -X importtime *command`; the top-level names of every module the interpreter imported."""
+    result = subprocess.run([sys.executable, "-X", "importtime", *command], capture_output=True, text=True, env=ENV,
+                            timeout=300)
+    names = {line.rsplit("|", 1)[1].strip().split(".")[0] for line in result.stderr.splitlines()
+             if line.startswith("import time:") and "|" in line}
+    assert "argparse" in names, result.stderr[-2000:]  # the report is there
+    return result, names
+
+
+@pytest.mark.parametrize("module", ["builder_plugin", "builder_plugin.verify", "builder_plugin.serve"])
+@pytest.mark.parametrize("args", [["--help"], ["--version"], ["--no-such-option"]])
+def test_parsing_the_command_line_imports_no_heavy_module(module: str, args: list[str]) -> None:
+    result, names = imported_modules("-m", module, *args)
+    assert result.returncode == (2 if args == ["--no-such-option"] else 0), result.stderr[-2000:]
+    assert not names & set(HEAVY_MODULES), sorted(names & set(HEAVY_MODULES))
+
+
+def test_a_bad_build_option_is_refused_before_any_heavy_import(tmp_path: Path) -> None:
+    result, names = imported_modules("-m", "builder_plugin", "-i", str(tmp_path), "--extra_options", "int4_algo=rtn")
+    assert result.returncode == 1 and "error: " in result.stderr and "int4_algo" in result.stderr
+    assert not names & set(HEAVY_MODULES), sorted(names & set(HEAVY_MODULES))
+
+
+def test_version_is_the_installed_distribution_version() -> None:
+    from importlib.metadata import version
+
+    result = subprocess.run([sys.executable, "-m", "builder_plugin", "--version"], capture_output=True, text=True,
+                            env=ENV, timeout=300)
+    assert result.returncode == 0 and result.stdout.split() == ["builder_plugin", version("builder_plugin")]
+
+
+def test_usage_line_names_the_command_it_was_called_as() -> None:
+    script = Path(sysconfig.get_path("scripts")) / "phi4mm-genai-build"  # the console script pip installed
+    assert script.is_file(), f"{script} is missing: pip install -e . installs it"
+    as_script = subprocess.run([str(script), "--help"], capture_output=True, text=True, env=ENV, timeout=300)
+    as_module = subprocess.run([sys.executable, "-m", "builder_plugin", "--help"], capture_output=True, text=True,
+                               env=ENV, timeout=300)
+    assert as_script.returncode == as_module.returncode == 0, as_script.stderr
+    assert as_script.stdout.startswith("usage: phi4mm-genai-build ")
+    assert as_module.stdout.startswith("usage: python -m builder_plugin ")

@@ -66,3 +66,10 @@ def test_output_path_that_is_a_file_is_refused(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(OutputError, match="not a folder"):
         OutputFolder(tmp_path / "file", overwrite=True).check()
+
+
+def test_progress_bars_write_nothing_when_the_output_is_not_a_terminal(tmp_path: Path, capfd) -> None:
+    """Into a log or a pipe a bar would be one \\r-line per update; there it is left out."""
+    PackageWriter(tmp_path, progress=True).save(_model(torch.randn(32, 64), torch.randn(32, 32)), "a.onnx", "w.data")
+    out, err = capfd.readouterr()
+    assert "\r" not in out + err and "writing a.onnx" not in err

@@ -6,7 +6,9 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -243,6 +245,19 @@ def test_token_limits_and_sampling(server, chat):
     assert got == ask_chat(chat, [("Hello!", (), ())], max_new_tokens=8, sampling=sampling)[0]
 
 
+def test_default_answer_cap(served_chat, chat, tmp_path):
+    """A request without max_tokens gets the server's cap; one may ask for less, or more up to the maximum length."""
+    served_chat.gate.set()
+    with running_server(served_chat, tmp_path, max_tokens=4) as running:
+        client = running.client()
+        card = httpx.get(f"{running.url}/v1/models").json()["data"][0]
+        assert (card["max_tokens"], card["max_length"]) == (4, chat.max_length)
+        for asked in (None, 2, 9):
+            got = ask_server(client, [user("Tell me about lighthouses.")], max_tokens=asked)
+            assert got == ask_chat(chat, [("Tell me about lighthouses.", (), ())], max_new_tokens=asked or 4)[0]
+            assert got.completion_tokens <= (asked or 4)
+
+
 def test_models_and_health(server, package):
     client = server.client()
     assert [m.id for m in client.models.list().data] == [package.name]
@@ -346,6 +361,12 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cha
         assert (error.status_code, error.code) == (status, code), name
         assert message in error.message and "\n" not in error.body["message"], name
         assert str(server.routes.media_cache.folder) not in error.body["message"], name  # no server paths
+    # Refused requests keep no file (the 6 kHz clip was stored before the runtime refused it, the PNG of the tag
+    # mismatch before its tags were checked; the PNG sent as audio is refused before it is stored).
+    assert list(server.routes.media_cache.folder.iterdir()) == []
+    with pytest.raises(openai.BadRequestError, match="start the server with a larger --max-length") as caught:
+        client.chat.completions.create(model=server.routes.model_id, messages=[user("word " * 5000)])
+    assert "max_length" not in caught.value.message  # the Python API's name is not the server's option
     # Streaming requests fail the same way, before any chunk.
     with pytest.raises(openai.BadRequestError, match="the prompt is"):
         client.chat.completions.create(model=server.routes.model_id, messages=[user("word " * 5000)], stream=True)
@@ -518,20 +539,47 @@ def test_disconnect_stops_generation(server, served_chat, chat):
 # ---- command line -------------------------------------------------------------------------------------------------
 
 
-def test_cli_serves_a_package(package, tmp_path):
-    command = [sys.executable, "-m", "builder_plugin.serve", str(package), "--port", "0", "--media-cache",
-               str(tmp_path / "cache")]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+def _folder_files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+
+@pytest.mark.parametrize("stop, media_cache", [("SIGTERM", None), ("SIGINT", "new"), ("SIGHUP", "existing")])
+def test_cli_serves_a_package_and_leaves_no_media_when_stopped(package, media_dir, tmp_path, stop, media_cache):
+    """A real server process, stopped by a signal: exit 0, and nothing a client sent is left (the temporary folder or
+    a --media-cache folder it created is gone; in a folder that was there, only what was there before remains)."""
+    temp = tmp_path / "temp"  # the server's system temp folder
+    temp.mkdir()
+    command = [sys.executable, "-m", "builder_plugin.serve", str(package), "--port", "0"]
+    if media_cache is not None:
+        folder = tmp_path / "cache"
+        command += ["--media-cache", str(folder)]
+        if media_cache == "existing":
+            folder.mkdir()
+            (folder / "mine.txt").write_text("not the server's")
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                               env={**os.environ, "TMPDIR": str(temp)})
     try:
         line = process.stdout.readline()
         assert line.startswith(f"serving {package.name} at http://127.0.0.1:"), line
         url = line.split(" at ")[1].strip()
         assert httpx.get(url.removesuffix("/v1") + "/health").json()["status"] == "ok"
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
-        assert ask_server(client, [user("Hi")]).text
+        assert ask_server(client, [user("Hi", (media_dir / IMAGE,), (media_dir / AUDIO,))]).text
+        held = [f for f in _folder_files(temp) if f.startswith("phi4mm-serve-media-")] if media_cache is None \
+            else [f for f in _folder_files(tmp_path / "cache") if f != "mine.txt"]
+        assert len(held) == 2, held  # the image and the clip, while serving
+        process.send_signal(getattr(signal, stop))
+        assert process.wait(timeout=30) == 0
+        assert process.stdout.read().splitlines()[-1] == f"stopped by {stop}"
     finally:
-        process.terminate()
-        process.wait(timeout=20)
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert not list(temp.glob("phi4mm-serve-media-*"))
+    if media_cache == "new":
+        assert not (tmp_path / "cache").exists()
+    elif media_cache == "existing":
+        assert _folder_files(tmp_path / "cache") == ["mine.txt"]
 
 
 def test_cli_errors_are_one_line(tmp_path):
@@ -586,6 +634,31 @@ def test_media_cache_is_bounded_and_keeps_files_in_use(tmp_path):
     assert not first.is_file() and not second.is_file() and third.is_file()
     with pytest.raises(ApiError, match="not valid base64"):
         MediaReader(cache).audio("***", "wav", "x")
+
+
+def test_media_cache_in_a_folder_that_was_there_touches_only_its_own_files(tmp_path):
+    folder = tmp_path / "cache"
+    folder.mkdir()
+    (folder / "mine.bin").write_bytes(b"x" * 1000)  # over the bound on its own
+    cache = MediaCache(folder, max_bytes=250)
+    first = cache.store(b"a" * 100, ".wav")
+    cache.release([first])
+    second = cache.store(b"b" * 100, ".wav")
+    assert first.is_file() and second.is_file()  # 200 bytes of its own: under the bound
+    cache.close()
+    assert sorted(p.name for p in folder.iterdir()) == ["mine.bin"]
+
+
+def test_media_that_is_not_audio_is_never_stored(media_dir, tmp_path):
+    cache = MediaCache(tmp_path / "cache", MB)
+    reader = MediaReader(cache)
+    for data in ((media_dir / IMAGE).read_bytes(), b"RIFF" + bytes(64), b"plain text, not a clip"):
+        with pytest.raises(ApiError, match="not a WAV, MP3 or FLAC file"):
+            reader.audio(_b64(data), "wav", "x")
+    assert list(cache.folder.iterdir()) == [] and reader.stored == []
+    assert reader.audio(_b64((media_dir / AUDIO).read_bytes()), "wav", "x").is_file()
+    cache.close()
+    assert not cache.folder.exists()  # it created the folder: close removes it
 
 
 def test_disguised_file_url_is_refused(media_dir, tmp_path):

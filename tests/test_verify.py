@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from builder_plugin.testing.reference import Reference, encode_inputs
-from builder_plugin.verify.__main__ import EXIT_MISMATCH, main
+from builder_plugin.verify.__main__ import EXIT_MISMATCH, main, make_parser
 from builder_plugin.verify.engine import run_package
 from builder_plugin.verify.package_info import package_precisions
 from builder_plugin.verify.prompts import MODES, build_cases
@@ -173,7 +173,8 @@ def test_bad_input_gives_one_line(tmp_path, tmp_path_factory, tiny_package, tiny
     assert_one_line_error(run_verify(tiny_package, "--checkpoint", deeper), 1, "num_hidden_layers 2 vs 3")
     broken = tmp_path / "broken.png"
     broken.write_bytes(b"not an image")
-    assert_one_line_error(run_verify(tiny_package, "--checkpoint", tiny_checkpoint, "--image", broken), 1,
+    # media options before the package folder (each takes one value, so the folder is not swallowed)
+    assert_one_line_error(run_verify("--image", broken, tiny_package, "--checkpoint", tiny_checkpoint), 1,
                           "cannot read image")
     noise = tmp_path / "noise.wav"
     noise.write_bytes(bytes(range(256)) * 8)
@@ -201,3 +202,11 @@ def test_package_of_other_weights_fails(tmp_path, tmp_path_factory, tiny_package
     other = make_checkpoint(tmp_path_factory.mktemp("ckpt") / "other-weights", preset="tiny", seed=1)
     code, data = verify_json(tmp_path, tiny_package, other, "--modes", "text,image")
     assert code == EXIT_MISMATCH and data["failed_modes"] == ["text", "image"]
+
+
+def test_media_and_prompt_options_go_anywhere_and_repeat() -> None:
+    args = make_parser().parse_args(["--image", "x.jpg", "PKG", "--audio", "a.wav", "--checkpoint", "CKPT",
+                                     "--image", "y.png", "--prompt", "one", "--prompt", "two words"])
+    assert args.package == Path("PKG") and args.checkpoint == Path("CKPT")
+    assert args.image == [Path("x.jpg"), Path("y.png")] and args.audio == [Path("a.wav")]
+    assert args.prompt == ["one", "two words"]

@@ -28,8 +28,22 @@ ADAPTER_FILE = "adapter_model.safetensors"
 _TORCH_DTYPES = {code: row.torch for code, row in BY_SAFETENSORS.items()}
 
 
-@lru_cache(maxsize=64)
+def _version(path: Path) -> tuple[int, int, int]:
+    """What tells one version of a file from another at the same path (a rewritten file, a reused temporary folder):
+    the caches below are keyed by it as well as by the path."""
+    try:
+        stat = path.stat()
+    except OSError as exc:
+        raise CheckpointError(f"cannot read weights file {path.name}: {exc}") from exc
+    return stat.st_ino, stat.st_mtime_ns, stat.st_size
+
+
 def _open(path: Path):
+    return _open_version(path, _version(path))
+
+
+@lru_cache(maxsize=64)
+def _open_version(path: Path, version: tuple[int, int, int]):
     try:
         return safe_open(str(path), framework="pt")
     except Exception as exc:  # safetensors raises bare Exceptions for broken files
@@ -113,9 +127,13 @@ class TensorRef:
         return torch.frombuffer(buffer, dtype=stored)
 
 
-@lru_cache(maxsize=64)
 def _safetensors_layout(path: Path) -> tuple[int, dict[str, tuple[int, int]]]:
     """(offset of the data section, {tensor: (begin, end) within it}) from a safetensors header."""
+    return _layout_version(path, _version(path))
+
+
+@lru_cache(maxsize=64)
+def _layout_version(path: Path, version: tuple[int, int, int]) -> tuple[int, dict[str, tuple[int, int]]]:
     try:
         with open(path, "rb") as f:
             (size,) = struct.unpack("<Q", f.read(8))

@@ -396,7 +396,7 @@ class Chat:
         total = len(ids) + len(new)
         if total >= self.max_length:
             raise PromptTooLongError(f"the conversation is {total} tokens but the maximum length is "
-                                     f"{self.max_length}; start over (clear) or raise max_length")
+                                     f"{self.max_length}")
         switch = self.manifest.original_max_position_embeddings
         crosses = switch is not None and not live.long_factors and total > switch
         if total + max_new_tokens <= live.max_length and not crosses and guidance is None and not live.guided:
@@ -467,7 +467,7 @@ class Chat:
         prompt_tokens = int(inputs["input_ids"].as_numpy().shape[-1])
         if prompt_tokens >= self.max_length:
             raise PromptTooLongError(f"the prompt is {prompt_tokens} tokens but the maximum length is "
-                                     f"{self.max_length}; start over (clear) or raise max_length")
+                                     f"{self.max_length}")
         return _Request(variant, loaded, started, sampling, self._size(prompt_tokens, max_new_tokens, room),
                         prompt_tokens, inputs=inputs)
 

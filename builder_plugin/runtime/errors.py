@@ -24,7 +24,14 @@ class TagMismatchError(ChatError):
 
 
 class PromptTooLongError(ChatError):
-    """The conversation does not fit in the maximum length."""
+    """The conversation does not fit in the maximum length. `summary` says by how much; the message adds what to do
+    through the Python API (a command line says its own option instead)."""
+
+    ADVICE = "start over (clear) or raise max_length"
+
+    def __init__(self, summary: str) -> None:
+        super().__init__(f"{summary}; {self.ADVICE}")
+        self.summary = summary
 
 
 class GuidanceError(ChatError):

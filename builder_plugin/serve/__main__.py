@@ -6,16 +6,18 @@ import argparse
 import logging
 import socket
 import sys
-import tempfile
 from collections.abc import Sequence
-from pathlib import Path
+
+from builder_plugin import __version__
 
 EXECUTION_PROVIDERS = ("cpu", "cuda", "dml", "webgpu")
+DEFAULT_MAX_TOKENS = 1024  # at ~10 tokens/s (full-size int4 on a CPU) an answer ends within two minutes
 
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m builder_plugin.serve",
                                 description="Serve a Phi-4-multimodal package over the OpenAI chat-completions API.")
+    p.add_argument("--version", action="version", version=f"builder_plugin {__version__}")
     p.add_argument("package", help="folder of the built package (with genai_config.json)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000,
@@ -27,11 +29,15 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-local-files", action="store_true",
                    help="accept file:// image URLs (paths on this machine)")
     p.add_argument("--media-cache", metavar="DIR", default=None,
-                   help="folder for decoded media (default: a temporary folder removed at exit)")
+                   help="folder for decoded media; the files the server wrote are deleted when it stops, and the "
+                   "folder too if it created it (default: a temporary folder)")
     p.add_argument("--media-cache-mb", type=float, default=1024, metavar="N",
                    help="size the media cache is kept under, in MB (default: %(default)s)")
     p.add_argument("--max-length", type=int, default=None,
                    help="longest conversation in tokens, prompt included (default: the package's search.max_length)")
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
+                   help="longest answer of a request without max_tokens; a request may ask for less, or for more "
+                   "up to the maximum length (default: %(default)s)")
     p.add_argument("-e", "--execution-provider", choices=EXECUTION_PROVIDERS, default=None,
                    help="run on this provider (default: the one the package was built for)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs and tracebacks")
@@ -57,8 +63,10 @@ def serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from builder_plugin.serve.app import MB, Server
+        from builder_plugin.serve.shutdown import StoppableServer, interrupting_signals
     except ImportError as exc:
         raise RuntimeError(f"{exc.name} is missing: install the serve extra (pip install -e \".[serve]\")") from None
+
     from builder_plugin.runtime import Chat
     from builder_plugin.serve.media import MediaCache
 
@@ -66,18 +74,25 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError("--max-queue must be at least 1")
     if args.max_body_mb <= 0 or args.media_cache_mb <= 0:
         raise ValueError("--max-body-mb and --media-cache-mb must be positive")
-    chat = Chat(args.package, max_length=args.max_length, execution_provider=args.execution_provider)
-    chat.load(chat.variant_for(has_image=False, has_audio=False))  # the first text request does not wait for it
-    listener = socket.create_server((args.host, args.port))
-    host, port = listener.getsockname()[:2]
-    with tempfile.TemporaryDirectory(prefix="phi4mm-serve-media-") as temporary:
-        cache = MediaCache(Path(args.media_cache or temporary), int(args.media_cache_mb * MB))
-        routes = Server(chat, cache, max_queue=args.max_queue, max_body_bytes=int(args.max_body_mb * MB),
-                        allow_local_files=args.allow_local_files)
-        server = uvicorn.Server(uvicorn.Config(routes.app(), log_level="debug" if args.verbose else "info",
-                                               timeout_graceful_shutdown=5))
-        print(f"serving {routes.model_id} at http://{host}:{port}/v1", flush=True)
-        server.run(sockets=[listener])
+    if args.max_tokens < 1:
+        raise ValueError("--max-tokens must be at least 1")
+    with interrupting_signals():  # stopped while loading: main() returns 130, nothing is left behind
+        chat = Chat(args.package, max_length=args.max_length, execution_provider=args.execution_provider)
+        chat.load(chat.variant_for(has_image=False, has_audio=False))  # the first text request does not wait for it
+        listener = socket.create_server((args.host, args.port))
+        host, port = listener.getsockname()[:2]
+        cache = MediaCache(args.media_cache, int(args.media_cache_mb * MB))
+        try:
+            routes = Server(chat, cache, max_queue=args.max_queue, max_body_bytes=int(args.max_body_mb * MB),
+                            allow_local_files=args.allow_local_files, max_tokens=args.max_tokens)
+            server = StoppableServer(uvicorn.Config(routes.app(), log_level="debug" if args.verbose else "info",
+                                                    timeout_graceful_shutdown=5))
+            print(f"serving {routes.model_id} at http://{host}:{port}/v1", flush=True)
+            server.run(sockets=[listener])
+        finally:
+            cache.close()  # also done by the app's shutdown; here too in case it did not run
+    if server.stopped_by is not None:
+        print(f"stopped by {server.stopped_by.name}", flush=True)
     return 0
 
 

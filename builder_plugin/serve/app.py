@@ -39,12 +39,13 @@ class Server:
     """The routes and the state they share: the Chat behind one Worker, the media cache and the limits."""
 
     def __init__(self, chat: Chat, media_cache: MediaCache, *, model_id: str | None = None, max_queue: int = 16,
-                 max_body_bytes: int = 32 * MB, allow_local_files: bool = False) -> None:
+                 max_body_bytes: int = 32 * MB, allow_local_files: bool = False, max_tokens: int | None = None) -> None:
         self.chat = chat
         self.model_id = model_id or Path(chat.package_dir).resolve().name
         self.media_cache = media_cache
         self.max_body_bytes = max_body_bytes
         self.allow_local_files = allow_local_files
+        self.max_tokens = max_tokens  # of a request without max_tokens (None: up to the maximum length)
         self.worker = Worker(chat, max_queue)
 
     def app(self) -> Starlette:
@@ -55,6 +56,7 @@ class Server:
                 yield
             finally:
                 await run_in_threadpool(self.worker.stop)
+                self.media_cache.close()  # nothing a client sent outlives the server
 
         routes = [
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
@@ -87,7 +89,7 @@ class Server:
         media = MediaReader(self.media_cache, self.allow_local_files)
         release = functools.partial(self.media_cache.release, media.stored)  # the files may be evicted again
         reply = Reply.new(self.model_id)
-        streaming = False
+        streaming = refused = False
         try:
             job, events = await self._submit(parsed, media)
             if parsed.stream:
@@ -98,9 +100,12 @@ class Server:
                 return StreamingResponse(_stream(job, events, reply, parsed.include_usage, release),
                                          media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             answer = await _until_disconnect(request, job, _collect(events))
+        except ApiError:
+            refused = True  # the files of a refused request are not kept
+            raise
         finally:
             if not streaming:
-                release()
+                release(discard=refused)
         finished = answer.finished
         return JSONResponse(reply.completion(answer.text or (None if answer.calls else ""), finished.finish_reason,
                                              usage(finished.prompt_tokens, finished.completion_tokens),
@@ -118,8 +123,9 @@ class Server:
                            code="audio_not_supported")
         events: asyncio.Queue[Event] = asyncio.Queue()
         job = Job(conversation, emit=_emitter(asyncio.get_running_loop(), events),
-                  max_new_tokens=parsed.max_new_tokens, sampling=parsed.sampling, stops=parsed.stop_strings,
-                  labels=media.labels, guidance=parsed.guidance, tools=tools, logprobs=parsed.top)
+                  max_new_tokens=parsed.max_new_tokens or self.max_tokens, sampling=parsed.sampling,
+                  stops=parsed.stop_strings, labels=media.labels, guidance=parsed.guidance, tools=tools,
+                  logprobs=parsed.top)
         self.worker.submit(job)
         return job, events
 
@@ -129,7 +135,8 @@ class Server:
         return {TOOL_CALL_OPEN, TOOL_CALL_CLOSE} <= self.chat.token_bytes.added
 
     def _model_card(self) -> dict[str, Any]:
-        return {"id": self.model_id, "object": "model", "created": 0, "owned_by": "builder_plugin"}
+        return {"id": self.model_id, "object": "model", "created": 0, "owned_by": "builder_plugin",
+                "max_tokens": self.max_tokens or self.chat.max_length, "max_length": self.chat.max_length}
 
     async def _read_body(self, request: Request) -> bytes:
         too_large = ApiError(f"the request body is larger than the limit of {self.max_body_bytes / MB:g} MB "

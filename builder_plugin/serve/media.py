@@ -7,6 +7,8 @@ import base64
 import binascii
 import hashlib
 import os
+import shutil
+import tempfile
 import threading
 from collections import Counter
 from collections.abc import Iterable
@@ -14,49 +16,86 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from builder_plugin import runtime
-from builder_plugin.serve.errors import ApiError
+from builder_plugin.serve.errors import ApiError, shutting_down
 
 # The runtime's image decoder reads PNG and JPEG only; other content can end the process, so it is refused here.
 IMAGE_SIGNATURES = {b"\x89PNG\r\n\x1a\n": ".png", b"\xff\xd8\xff": ".jpg"}
 AUDIO_FORMATS = {"wav": ".wav", "mp3": ".mp3", "flac": ".flac"}
+TEMPORARY_PREFIX = "phi4mm-serve-media-"
+
+
+def is_audio(data: bytes) -> bool:
+    """Whether `data` starts as a WAV (RIFF/RF64), FLAC or MP3 (ID3 tag or frame sync) file does; anything else is
+    refused before it is stored (the runtime's decoder would refuse it later)."""
+    return (data[:4] in (b"RIFF", b"RF64") and data[8:12] == b"WAVE") or data.startswith((b"fLaC", b"ID3")) \
+        or (len(data) > 1 and data[0] == 0xFF and data[1] & 0xE0 == 0xE0)
 
 
 class MediaCache:
     """A folder of media files named by the sha256 of their bytes, holding at most about `max_bytes`.
 
     Files a request still uses are pinned (``store`` pins, ``release`` unpins); the least recently stored unpinned
-    files are deleted when the folder grows past its bound."""
+    files are deleted when the folder grows past its bound. `folder` None is a new temporary folder. ``close`` (the
+    server's shutdown) removes the folder if this cache created it, else every file it stored there: nothing a
+    client sent outlives the server."""
 
-    def __init__(self, folder: str | Path, max_bytes: int) -> None:
-        self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
+    def __init__(self, folder: str | Path | None, max_bytes: int) -> None:
+        if folder is None:
+            self.folder = Path(tempfile.mkdtemp(prefix=TEMPORARY_PREFIX))
+            self.created = True
+        else:
+            self.folder = Path(folder)
+            self.created = not self.folder.exists()
+            self.folder.mkdir(parents=True, exist_ok=True)
         self.max_bytes = max_bytes
         self._pins: Counter[Path] = Counter()
+        self._stored: set[Path] = set()
+        self._closed = False
         self._lock = threading.Lock()
 
     def store(self, data: bytes, suffix: str) -> Path:
         path = self.folder / (hashlib.sha256(data).hexdigest() + suffix)
         with self._lock:
+            if self._closed:
+                raise shutting_down()
             if path.is_file():
                 os.utime(path)  # recently used: evicted last
             else:
                 partial = path.with_name(path.name + ".part")
                 partial.write_bytes(data)
                 os.replace(partial, path)
+            self._stored.add(path)
             self._pins[path] += 1
             self._evict()
         return path
 
-    def release(self, paths: Iterable[Path]) -> None:
+    def release(self, paths: Iterable[Path], discard: bool = False) -> None:
+        """Unpin `paths`; with `discard` (a refused request) also delete those no other request uses."""
         with self._lock:
             for path in paths:
                 self._pins[path] -= 1
                 if self._pins[path] <= 0:
                     del self._pins[path]
+                    if discard:
+                        path.unlink(missing_ok=True)
+                        self._stored.discard(path)
+
+    def close(self) -> None:
+        """Delete what this cache stored (the whole folder if it created it); later stores are refused."""
+        with self._lock:
+            self._closed = True
+            if self.created:
+                shutil.rmtree(self.folder, ignore_errors=True)
+            else:
+                for path in self._stored:
+                    path.unlink(missing_ok=True)
+                    path.with_name(path.name + ".part").unlink(missing_ok=True)
+            self._stored.clear()
+            self._pins.clear()
 
     def _evict(self) -> None:
         files = []
-        for path in self.folder.iterdir():
+        for path in list(self._stored):  # only its own files: a --media-cache folder may hold the user's too
             try:
                 stat = path.stat()
             except FileNotFoundError:
@@ -68,6 +107,7 @@ class MediaCache:
                 break
             if path not in self._pins:
                 path.unlink(missing_ok=True)
+                self._stored.discard(path)
                 total -= size
 
 
@@ -106,7 +146,10 @@ class MediaReader:
                            f"not {audio_format!r}", param=f"{param}.format", code="invalid_audio_format")
         if not isinstance(data, str):
             raise ApiError(f"{param}.data: base64 audio data (a string) is required", param=f"{param}.data")
-        path = self._store(decode_base64(data, f"{param}.data"), AUDIO_FORMATS[audio_format])
+        decoded = decode_base64(data, f"{param}.data")
+        if not is_audio(decoded):
+            raise ApiError(f"{param}: not a WAV, MP3 or FLAC file", param=param, code="invalid_media")
+        path = self._store(decoded, AUDIO_FORMATS[audio_format])
         self.labels[path] = param
         return path
 

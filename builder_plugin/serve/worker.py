@@ -207,8 +207,9 @@ def chat_error(exc: runtime.ChatError, labels: dict[Path, str], guided_by: str =
         return ApiError(f"{guided_by}: {message}", param=guided_by, code="invalid_schema")
     if isinstance(exc, runtime.ToolsNotSupportedError):
         return ApiError(f"tools: {message}", param="tools", code="tools_not_supported")
-    if isinstance(exc, runtime.PromptTooLongError):
-        return ApiError(message, param="messages", code="context_length_exceeded")
+    if isinstance(exc, runtime.PromptTooLongError):  # the advice names the server's option, not the Python API's
+        return ApiError(f"{exc.summary}; send a shorter conversation, or start the server with a larger --max-length",
+                        param="messages", code="context_length_exceeded")
     if isinstance(exc, runtime.TagMismatchError):
         return ApiError(message, param="messages", code="invalid_media_tags")
     if isinstance(exc, runtime.UnsupportedMediaError | runtime.MediaNotFoundError):

@@ -34,7 +34,14 @@ from genai_config import (
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
 
-_STUB_DIRS: dict[tuple[str, str], Path] = {}
+# Removed by remove_stubs() or when the process exits: the stubs are rebuilt in a second.
+_STUB_DIRS: dict[tuple[str, str], tempfile.TemporaryDirectory] = {}
+
+
+def remove_stubs() -> None:
+    """Delete the stub folders `processor_inputs` wrote (a test session does at its end)."""
+    while _STUB_DIRS:
+        _STUB_DIRS.popitem()[1].cleanup()
 
 
 def stub_specs(config: Phi4MMConfig, io_dtype: str) -> dict[Component, IOSpec]:
@@ -85,9 +92,10 @@ def processor_inputs(
     checkpoint_dir = Path(checkpoint_dir)
     key = (str(checkpoint_dir.resolve()), io_dtype)
     if key not in _STUB_DIRS:
-        config = Phi4MMConfig.from_dir(checkpoint_dir)
-        _STUB_DIRS[key] = stub_package(config, checkpoint_dir, Path(tempfile.mkdtemp(prefix="phi4mm-stub-")), io_dtype)
-    model = og.Model(str(_STUB_DIRS[key]))
+        folder = tempfile.TemporaryDirectory(prefix="phi4mm-stub-")
+        stub_package(Phi4MMConfig.from_dir(checkpoint_dir), checkpoint_dir, Path(folder.name), io_dtype)
+        _STUB_DIRS[key] = folder
+    model = og.Model(_STUB_DIRS[key].name)
     processor = model.create_multimodal_processor()
     og_images = og.Images.open(*[str(p) for p in images]) if images else None
     og_audios = og.Audios.open(*[str(p) for p in audios]) if audios else None

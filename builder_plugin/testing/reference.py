@@ -155,7 +155,7 @@ def native_config_from_original(raw: Mapping[str, Any]) -> Phi4MultimodalConfig:
         pad_token_id=raw.get("pad_token_id", 199999),
         eos_token_id=list(eos) if isinstance(eos, (list, tuple)) else [int(eos)],
         sliding_window=sliding_window,
-        rope_parameters=_rope_parameters(raw, original_max),
+        rope_parameters=_rope_parameters(raw, original_max, max_positions),
     )
     if raw.get("attention_bias") or raw.get("mlp_bias") or raw.get("lm_head_bias"):
         raise ReferenceModelError("attention_bias / mlp_bias / lm_head_bias are not supported by the native port")
@@ -166,7 +166,20 @@ def native_config_from_original(raw: Mapping[str, Any]) -> Phi4MultimodalConfig:
     )
 
 
-def _rope_parameters(raw: Mapping[str, Any], original_max: int) -> dict[str, Any]:
+def native_config_from_dict(raw: Mapping[str, Any]) -> Phi4MultimodalConfig:
+    """A transformers-native config.json as its config. A longrope `factor` it leaves out is stated (the ratio
+    transformers would derive, with a warning on every load): the same model."""
+    raw = dict(raw)
+    rope = raw.get("rope_parameters")
+    original_max = raw.get("original_max_position_embeddings")
+    if isinstance(rope, Mapping) and rope.get("rope_type") == "longrope" and "factor" not in rope:
+        original_max = rope.get("original_max_position_embeddings", original_max)
+        if original_max and raw.get("max_position_embeddings"):
+            raw["rope_parameters"] = {**rope, "factor": max(1.0, raw["max_position_embeddings"] / original_max)}
+    return Phi4MultimodalConfig.from_dict(raw)
+
+
+def _rope_parameters(raw: Mapping[str, Any], original_max: int, max_positions: int) -> dict[str, Any]:
     theta = float(raw.get("rope_theta", 10000.0))
     partial = float(raw.get("partial_rotary_factor", 1.0))
     scaling = raw.get("rope_scaling")
@@ -182,6 +195,8 @@ def _rope_parameters(raw: Mapping[str, Any], original_max: int) -> dict[str, Any
         "short_factor": [float(x) for x in scaling["short_factor"]],
         "long_factor": [float(x) for x in scaling["long_factor"]],
         "original_max_position_embeddings": original_max,
+        # The ratio transformers derives when it is missing (and warns about): the same rotation and attention factor.
+        "factor": max(1.0, max_positions / original_max),
     }
     short_mscale, long_mscale = scaling.get("short_mscale"), scaling.get("long_mscale")
     if short_mscale is not None or long_mscale is not None:
@@ -560,7 +575,7 @@ class Reference:
                 r, alpha = int(block["r"]), float(block["lora_alpha"])
                 adapters[name] = LoraAdapter(name, r, alpha, alpha / r, _pairs(name, sides))
         elif model_type == NATIVE_MODEL_TYPE:
-            config = Phi4MultimodalConfig.from_dict(raw)
+            config = native_config_from_dict(raw)
             state = dict(tensors)
             adapters = {
                 name: _read_peft_adapter(folder / sub, name)

@@ -13,28 +13,15 @@ import time
 import traceback
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from tqdm import tqdm
+from builder_plugin import __version__
+from builder_plugin.verify.modes import MODES, parse_modes
 
-from builder_plugin.errors import BuildError
-from builder_plugin.memory import MemorySampler
-from builder_plugin.runtime import ChatError
-from builder_plugin.testing.reference import ReferenceModelError
-from builder_plugin.verify.engine import EngineError, run_package
-from builder_plugin.verify.metrics import THRESHOLDS, compare, judge
-from builder_plugin.verify.package_info import (
-    ArchitectureMismatchError,
-    check_architecture,
-    has_speech,
-    lowest,
-    package_precisions,
-)
-from builder_plugin.verify.prompts import MODES, MediaError, build_cases, parse_modes
-from builder_plugin.verify.reference import StreamingReference, TeacherForced
-from builder_plugin.verify.report import Report, summary_lines
+if TYPE_CHECKING:
+    from builder_plugin.verify.report import Report
 
 EXIT_MISMATCH = 3
-USER_ERRORS = (BuildError, ChatError, MediaError, ReferenceModelError, ArchitectureMismatchError, EngineError)
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -42,14 +29,19 @@ def make_parser() -> argparse.ArgumentParser:
                                 description="Check that a built package matches its original checkpoint: built-in "
                                 "prompts per input mode run through onnxruntime-genai and through a PyTorch reference "
                                 "with the LoRA and audio projection of that mode.")
+    p.add_argument("--version", action="version", version=f"builder_plugin {__version__}")
     p.add_argument("package", type=Path, help="the built package folder")
     p.add_argument("--checkpoint", type=Path, required=True,
                    help="the checkpoint folder it was built from (original or transformers-native layout)")
     p.add_argument("--modes", type=_modes, help=f"comma-separated subset of {','.join(MODES)} (default: all the "
                    "package supports)")
-    p.add_argument("--image", nargs="+", type=Path, default=[], help="image(s) to use instead of the built-in one")
-    p.add_argument("--audio", nargs="+", type=Path, default=[], help="audio clip(s) to use instead of the built-in one")
-    p.add_argument("--prompt", nargs="+", default=[], help="extra question(s), asked in every mode")
+    # One value per option, repeated for several: a list option would swallow the package folder after it.
+    p.add_argument("--image", action="append", type=Path, default=[], metavar="FILE",
+                   help="an image to use instead of the built-in one (repeat the option for several)")
+    p.add_argument("--audio", action="append", type=Path, default=[], metavar="FILE",
+                   help="an audio clip to use instead of the built-in one (repeat the option for several)")
+    p.add_argument("--prompt", action="append", default=[], metavar="TEXT",
+                   help="an extra question, asked in every mode (repeat the option for several)")
     p.add_argument("--max-new-tokens", type=_positive, default=16, help="greedy tokens per case (default %(default)s)")
     p.add_argument("--report", type=Path, help="write the Markdown report here")
     p.add_argument("--json", type=Path, help="write the JSON report here")
@@ -73,8 +65,22 @@ def _positive(text: str) -> int:
 
 
 def verify(args: argparse.Namespace) -> Report:
+    from tqdm import tqdm
+
+    from builder_plugin.errors import BuildError
+    from builder_plugin.memory import MemorySampler
+    from builder_plugin.runtime import ChatError
+    from builder_plugin.verify.engine import run_package
+    from builder_plugin.verify.metrics import THRESHOLDS, compare, judge
+    from builder_plugin.verify.package_info import check_architecture, has_speech, lowest, package_precisions
+    from builder_plugin.verify.prompts import build_cases
+    from builder_plugin.verify.reference import StreamingReference, TeacherForced
+    from builder_plugin.verify.report import Report
+
+    bars_off = True if args.no_progress else None  # None: bars on a terminal only, no \r-lines in a log
+
     def progress(items, desc):
-        return tqdm(items, desc=desc, leave=False, disable=args.no_progress)
+        return tqdm(items, desc=desc, leave=False, disable=bars_off)
 
     timings: dict[str, float] = {}
     package = args.package.expanduser()
@@ -97,7 +103,7 @@ def verify(args: argparse.Namespace) -> Report:
         started = time.perf_counter()
         steps = len(cases) * args.max_new_tokens
         with MemorySampler() as package_memory, tqdm(total=steps, desc="package: onnxruntime-genai", leave=False,
-                                                      disable=args.no_progress) as bar:
+                                                      disable=bars_off) as bar:
             runs = run_package(str(package), cases, args.max_new_tokens, on_step=bar.update)
         timings["package"] = time.perf_counter() - started
     peak_gb = {"package": _peak_rss_gb()}
@@ -123,11 +129,24 @@ def _peak_rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
 
 
+def user_errors() -> tuple[type[Exception], ...]:
+    """The errors reported in one line (torch and onnxruntime-genai are imported only once the arguments parse)."""
+    from builder_plugin.errors import BuildError
+    from builder_plugin.runtime import ChatError
+    from builder_plugin.testing.reference import ReferenceModelError
+    from builder_plugin.verify.engine import EngineError
+    from builder_plugin.verify.package_info import ArchitectureMismatchError
+    from builder_plugin.verify.prompts import MediaError
+
+    return BuildError, ChatError, MediaError, ReferenceModelError, ArchitectureMismatchError, EngineError
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
+    errors = user_errors()
     try:
         report = verify(args)
-    except USER_ERRORS as exc:
+    except errors as exc:
         if args.verbose:
             traceback.print_exc()
         print(f"error: {exc}", file=sys.stderr)
@@ -140,6 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except OSError as exc:
         print(f"error: cannot write the report: {exc}", file=sys.stderr)
         return 1
+    from builder_plugin.verify.report import summary_lines
+
     print("\n".join(summary_lines(report)))
     if not report.passed:
         print(f"verify: FAILED for {', '.join(report.failed_modes)} ({report.precision} package)")

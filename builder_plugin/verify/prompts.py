@@ -10,8 +10,7 @@ from pathlib import Path
 from PIL import Image, UnidentifiedImageError
 
 from builder_plugin.testing.media import make_image, make_wav
-
-MODES = ("text", "image", "audio", "image+audio")
+from builder_plugin.verify.modes import MODES  # noqa: F401  - re-exported: a Case is in one of MODES
 
 BUILTIN_PROMPTS: dict[str, str] = {
     "text": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -47,14 +46,6 @@ class Case:
         tags = "".join(f"<|image_{i}|>" for i in range(1, len(self.images) + 1))
         tags += "".join(f"<|audio_{i}|>" for i in range(1, len(self.audios) + 1))
         return f"<|user|>{tags}{self.question}<|end|><|assistant|>"
-
-
-def parse_modes(text: str) -> tuple[str, ...]:
-    modes = tuple(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
-    unknown = [m for m in modes if m not in MODES]
-    if unknown or not modes:
-        raise ValueError(f"unknown mode(s) {', '.join(unknown) or '(none)'}; choose from {', '.join(MODES)}")
-    return modes
 
 
 def check_image(path: Path) -> Path:

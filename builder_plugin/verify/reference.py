@@ -37,6 +37,7 @@ from builder_plugin.testing.reference import (
     ReferenceModelError,
     encode_audio,
     encode_images,
+    native_config_from_dict,
     native_config_from_original,
     scatter_features,
 )
@@ -81,7 +82,7 @@ def native_config(config: Phi4MMConfig) -> Phi4MultimodalConfig:
     if config.source_format == "original":
         native = native_config_from_original(config.raw)
     else:
-        native = Phi4MultimodalConfig.from_dict(config.raw)
+        native = native_config_from_dict(config.raw)
     native._attn_implementation = "eager"
     return native
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from builder_plugin.checkpoint.reader import INDEX_FILE, CheckpointReader
+from builder_plugin.checkpoint.reader import INDEX_FILE, SINGLE_FILE, CheckpointReader
 from builder_plugin.errors import CheckpointError
 
 
@@ -95,3 +95,13 @@ def test_positioned_reads_equal_safetensors(tmp_path: Path) -> None:
     last = max(tensors, key=lambda n: json.loads(data[8:8 + int.from_bytes(data[:8], "little")])[n]["data_offsets"][1])
     with pytest.raises(CheckpointError, match="model.safetensors is truncated"):
         reader[last].load()
+
+
+def test_a_file_rewritten_at_the_same_path_is_read_anew(tmp_path: Path) -> None:
+    """The header and handle caches follow the file, not only its path (a rewritten file, a reused temp folder)."""
+    from safetensors.torch import load_file
+
+    for shape in ((80,), (3, 64)):
+        save_file({"w": torch.randn(shape)}, str(tmp_path / SINGLE_FILE))
+        ref = CheckpointReader(tmp_path)["w"]
+        assert ref.shape == shape and torch.equal(ref.load(), load_file(str(tmp_path / SINGLE_FILE))["w"])

@@ -57,6 +57,9 @@ def test_prompt_mode_with_image_and_audio(package, media_dir, reference):
     (["--audio", "{tmp}/fake.wav"], r"error: cannot read audio .*fake\.wav: not a WAV, MP3 or FLAC file"),
     (["--image", "{media}/square.png", "--prompt", "Compare <|image_1|> with <|image_2|>."],
      r"error: the question has 2 image tags \(<\|image_1\|> <\|image_2\|>\) but 1 image is attached"),
+    (["--max-length", "64", "--prompt", "word " * 100],  # the advice names this program's option and command
+     r"error: the prompt is \d+ tokens but the maximum length is 64; start over with /clear, or run with a larger "
+     r"--max-length$"),
 ])
 def test_clear_one_line_errors(package, media_dir, tmp_path, args, message):
     (tmp_path / "fake.wav").write_bytes(b"definitely not audio" * 10)

@@ -526,3 +526,33 @@ def test_eos_stops_greedy(ref):
     first = ref.prefill_and_greedy(inputs, max_new_tokens=3)
     stopped = ref.prefill_and_greedy(inputs, max_new_tokens=3, eos_token_ids=[first.tokens[0]])
     assert stopped.tokens == first.tokens[:1] and len(stopped.step_logits) == 1
+
+
+def test_reference_configs_state_the_longrope_factor_transformers_would_derive(tiny_checkpoint, caplog) -> None:
+    """The reference's configs (from the original and the native config.json) state rope `factor`: transformers
+    then warns no more about original_max_position_embeddings, and computes the same frequencies and attention
+    factor as from the config without it."""
+    import logging
+
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from builder_plugin.testing.make_checkpoint.native_layout import native_config
+    from builder_plugin.testing.reference import native_config_from_dict, native_config_from_original
+
+    raw = json.loads((tiny_checkpoint / "config.json").read_text())
+    logging.Logger.warning_once.cache_clear()  # transformers warns once per process: let it warn again
+    library = logging.getLogger("transformers")  # it does not propagate to the root logger caplog listens on
+    library.addHandler(caplog.handler)
+    try:
+        configs = [native_config_from_original(raw), native_config(raw)]
+        configs.append(native_config_from_dict(configs[1].to_dict()))
+    finally:
+        library.removeHandler(caplog.handler)
+    assert "original_max_position_embeddings" not in caplog.text
+    for config in configs:
+        assert config.rope_parameters["factor"] > 1  # the tiny checkpoint's context is 128x its original one
+        unstated = copy.deepcopy(config)
+        del unstated.rope_parameters["factor"]
+        for seq_len in (None, config.rope_parameters["original_max_position_embeddings"] + 1):  # short, long factors
+            want, got = (ROPE_INIT_FUNCTIONS["longrope"](c, "cpu", seq_len=seq_len) for c in (unstated, config))
+            assert torch.equal(want[0], got[0]) and want[1] == got[1]

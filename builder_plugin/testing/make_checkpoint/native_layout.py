@@ -56,6 +56,8 @@ def native_config(original: dict[str, Any]) -> Phi4MultimodalConfig:
             "short_factor": list(rope["short_factor"]),
             "long_factor": list(rope["long_factor"]),
             "original_max_position_embeddings": original["original_max_position_embeddings"],
+            # The ratio transformers derives when it is missing (and warns about): the same rotation, stated.
+            "factor": max(1.0, original["max_position_embeddings"] / original["original_max_position_embeddings"]),
         },
         bos_token_id=original["bos_token_id"],
         eos_token_id=original["eos_token_id"],

@@ -88,6 +88,8 @@ def make_parser() -> argparse.ArgumentParser:
                      help="with -p int4/int8, keep the vision and speech encoders in float")
     plg.add_argument("--list-routes", action="store_true",
                      help="print where every checkpoint tensor goes (component and name) and exit")
+    plg.add_argument("--jobs", type=int, default=None, metavar="N",
+                     help="threads that quantize the weights (default: the cores this process may use)")
     plg.add_argument("--no-progress", action="store_true", help="no progress bars")
     plg.add_argument("-v", "--verbose", action="store_true", help="show tracebacks and debug logging")
     return p
@@ -178,6 +180,7 @@ def _run(args: argparse.Namespace) -> int:
         max_length=args.max_length,
         overwrite=args.overwrite,
         extra_options=extra_options,
+        jobs=args.jobs,
     )
     from builder_plugin.build import build
 
@@ -191,7 +194,9 @@ def _print_summary(result) -> None:
     for name, size in result.files:
         print(f"  {name:<{width}}  {_human(size):>9}")
     built = ", ".join(c.value for c in result.components)
-    print(f"built {built} in {result.seconds:.1f} s, peak memory {_human(result.peak_rss_bytes)}, "
+    quantized = (f" (quantization {result.quantize_seconds:.1f} s on {result.jobs} threads)"
+                 if result.quantize_seconds else "")
+    print(f"built {built} in {result.seconds:.1f} s{quantized}, peak memory {_human(result.peak_rss_bytes)}, "
           f"{len(result.files)} files, {_human(result.total_bytes)}")
     if result.runnable:
         print(f"package ready: {result.output_dir}")

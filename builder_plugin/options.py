@@ -42,6 +42,7 @@ class BuildOptions:
     max_length: int | None = None
     overwrite: bool = False
     extra_options: dict[str, str] = field(default_factory=dict)
+    jobs: int | None = None  # threads that quantize; None: the cores this process may use
 
     @property
     def io_dtype(self) -> str:

@@ -39,9 +39,9 @@ BITS_CHOICES: tuple[int, ...] = (4, 8)
 # a transposed copy of the slab besides its per-thread chunks (builder_plugin.k_quant), so its slabs are smaller.
 SLAB_BYTES = 64 << 20
 K_QUANT_SLAB_BYTES = 32 << 20
-# Relative time to quantize one float value, by method (one thread; k_quant's search is spread over the jobs), in
-# the unit of writing one byte: what the build's progress estimate weighs each weight with (measured at full width).
-SECONDS_PER_VALUE = {"default": 2.0, "rtn": 30.0, "k_quant": 60.0}
+# Time to quantize one float value by each method on one thread (k_quant's search is spread over the jobs), in units
+# of the time to write one byte: how the build's time-left estimate weighs a weight (measured on full-width weights).
+COST_PER_VALUE = {"default": 10.0, "rtn": 14.0, "k_quant": 60.0}
 
 _QUANTIZABLE = {DTYPES[name].onnx: DTYPES[name].numpy for name in GRAPH_FLOATS}
 
@@ -145,8 +145,8 @@ class QuantizedWeight:
 
     @property
     def cost(self) -> float:
-        """What computing this weight costs, in the unit of writing one byte (SECONDS_PER_VALUE)."""
-        per_value = SECONDS_PER_VALUE[self.scheme.method]
+        """What computing this weight costs, in units of the time to write one byte (COST_PER_VALUE)."""
+        per_value = COST_PER_VALUE[self.scheme.method]
         if self.scheme.method == "k_quant":
             per_value /= self.stats.jobs
         return self.layout.k * self.layout.n * per_value
@@ -274,8 +274,8 @@ class QuantizedPiece(ir.LazyTensor):
 
 
 def work_estimate(tensor: ir.TensorProtocol) -> float:
-    """What writing `tensor` costs, in the unit of writing one byte: its bytes, plus the whole weight's quantization
-    for the first piece of a QuantizedWeight (the one whose reading computes it; packed comes first)."""
+    """What writing `tensor` costs, in units of the time to write one byte: its bytes, plus the whole weight's
+    quantization for the first piece of a QuantizedWeight (the one whose reading computes it; packed comes first)."""
     if isinstance(tensor, QuantizedPiece) and tensor.piece_name == "packed":
         return tensor.nbytes + tensor.weight.cost
     return tensor.nbytes

@@ -24,6 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -189,9 +190,15 @@ class QuantizedWeight:
         if isinstance(self.source, ColumnChunkedTensor):
             budget = K_QUANT_SLAB_BYTES if self.scheme.method == "k_quant" else SLAB_BYTES
             slab = max(1, budget // max(1, lay.k * self.float_dtype.itemsize))
-            for c0 in range(0, lay.n, slab):
-                c1 = min(lay.n, c0 + slab)
-                self._quantize(self.source.columns(c0, c1), packed[c0:c1], scales[c0:c1], zero_points[c0:c1])
+            ranges = [(c0, min(lay.n, c0 + slab)) for c0 in range(0, lay.n, slab)]
+            # the next slab is read while this one is quantized: one more slab in memory, no idle threads meanwhile
+            upcoming = self.stats.reader.submit(self.source.columns, *ranges[0])
+            for i, (c0, c1) in enumerate(ranges):
+                weight = upcoming.result()
+                if i + 1 < len(ranges):
+                    upcoming = self.stats.reader.submit(self.source.columns, *ranges[i + 1])
+                self._quantize(weight, packed[c0:c1], scales[c0:c1], zero_points[c0:c1])
+                del weight
         else:
             self._quantize(self.source.numpy(), packed, scales, zero_points)
         return {"packed": packed, "scales": scales, "zero_points": zero_points}
@@ -289,12 +296,20 @@ class QuantStats:
         self.seconds = 0.0
         self.weights = 0
         self._pool: BlockPool | None = None
+        self._reader: ThreadPoolExecutor | None = None
 
     @property
     def pool(self) -> BlockPool:
         if self._pool is None:
             self._pool = BlockPool(self.jobs)
         return self._pool
+
+    @property
+    def reader(self) -> ThreadPoolExecutor:
+        """The thread that reads a weight's next column slab ahead."""
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="read-ahead")
+        return self._reader
 
     def add(self, seconds: float, first: bool) -> None:
         self.seconds += seconds

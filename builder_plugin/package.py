@@ -103,7 +103,7 @@ class PackageWriter:
         quantizing = any(isinstance(v.const_value, QuantizedPiece) for v in large)
         desc = f"{filename}: {'quantizing and writing' if quantizing else 'writing'}"
         with tqdm(total=sum(work), desc=desc, leave=False, disable=not self.progress, smoothing=0.05,
-                  bar_format="{desc} {percentage:3.0f}%|{bar:20}| {postfix} [{elapsed} elapsed, {remaining} left]",
+                  bar_format="{desc} {percentage:3.0f}%|{bar:20}| {elapsed} elapsed, {remaining} left{postfix}",
                   ) as bar:
             for done, (value, cost) in enumerate(zip(large, work, strict=True)):
                 # e.g. 12/345 weights, model.layers.12.attn.qkv_proj.MatMul.weight_Q4

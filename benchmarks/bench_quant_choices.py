@@ -224,27 +224,28 @@ def layer_benchmark(checkpoint: Path, jobs_list: list[int], note: str) -> dict:
             [helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, ["b", n])],
             [numpy_helper.from_array(weight, "w")])
         model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), _cpu_seconds()
         quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=32, is_symmetric=True, accuracy_level=4,
                                          algo_config=KQuantWeightOnlyQuantConfig(
                                              customized_weight_config={"w/MatMul": {"bits": bits}}))
         quantizer.process()
-        quantizer_s = time.perf_counter() - started
+        quantizer_s, quantizer_cpu_s = time.perf_counter() - started, _cpu_seconds() - cpu
         reference = {t.name: numpy_helper.to_array(t) for t in quantizer.model.model.graph.initializer}
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), _cpu_seconds()
         quant_tensor_k_quant_cpu(weight.T, bits, 32)
-        routine_s = time.perf_counter() - started
-        entry = {"onnxruntime_quantizer_s": quantizer_s, "onnxruntime_routine_s": routine_s, "ours": {}}
+        routine_s, routine_cpu_s = time.perf_counter() - started, _cpu_seconds() - cpu
+        entry = {"onnxruntime_quantizer_s": quantizer_s, "onnxruntime_quantizer_cpu_s": quantizer_cpu_s,
+                 "onnxruntime_routine_s": routine_s, "onnxruntime_routine_cpu_s": routine_cpu_s, "ours": {}}
         scheme = QuantScheme(bits, 32, True, "k_quant")
         for jobs in jobs_list:
             quantized = QuantizedWeight(ir.tensor(weight, name="w"), scheme, QuantStats(jobs))
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), _cpu_seconds()
             pieces = {name: quantized.piece(piece) for piece, name in scheme.names("w").items()}
-            seconds = time.perf_counter() - started
+            seconds, cpu_seconds = time.perf_counter() - started, _cpu_seconds() - cpu
             identical = sorted(pieces) == sorted(reference) and all(
                 pieces[name].dtype == reference[name].dtype and pieces[name].shape == reference[name].shape
                 and pieces[name].tobytes() == reference[name].tobytes() for name in pieces)
-            entry["ours"][str(jobs)] = {"seconds": seconds, "byte_identical": identical}
+            entry["ours"][str(jobs)] = {"seconds": seconds, "cpu_s": cpu_seconds, "byte_identical": identical}
             print(f"k-quant {bits} bits, {jobs} jobs: {seconds:.1f} s (onnxruntime {routine_s:.1f} s), "
                   f"identical: {identical}", file=sys.stderr, flush=True)
             if not identical:
@@ -254,13 +255,20 @@ def layer_benchmark(checkpoint: Path, jobs_list: list[int], note: str) -> dict:
     return results
 
 
+def _cpu_seconds() -> float:
+    """CPU time of this process, all threads (on a loaded machine wall time says more about the neighbours)."""
+    times = os.times()
+    return times.user + times.system
+
+
 def layer_report(results: dict) -> str:
     k, n = results["shape"]
     rows = []
     for bits, entry in results["bits"].items():
         for jobs, ours in entry["ours"].items():
             rows.append(f"| {bits} | {jobs} | {fmt(entry['onnxruntime_quantizer_s'], 1)} s | "
-                        f"{fmt(entry['onnxruntime_routine_s'], 1)} s | **{fmt(ours['seconds'], 1)} s** | "
+                        f"{fmt(entry['onnxruntime_routine_s'], 1)} s ({_cpu(entry, 'onnxruntime_routine_cpu_s')}) | "
+                        f"**{fmt(ours['seconds'], 1)} s** ({_cpu(ours, 'cpu_s')}) | "
                         f"{fmt(entry['onnxruntime_routine_s'] / ours['seconds'], 1)}x | "
                         f"{'yes' if ours['byte_identical'] else 'NO'} |")
     return "\n".join([
@@ -274,9 +282,14 @@ def layer_report(results: dict) -> str:
         "`quant_tensor_k_quant_cpu` alone on the same weight (one thread: numpy). Ours: the builder's quantizer at "
         "that many threads (`--jobs`); byte-identical = packed weights, scales and zero points equal the "
         "quantizer's initializers byte for byte.", "",
-        "| bits | jobs | onnxruntime quantizer | onnxruntime routine | ours | speed-up vs routine | byte-identical |",
+        "| bits | jobs | onnxruntime quantizer | onnxruntime routine (CPU) | ours (CPU) | wall speed-up vs routine | "
+        "byte-identical |",
         "|---:|---:|---:|---:|---:|---:|---|",
         *rows, ""])
+
+
+def _cpu(entry: dict, key: str) -> str:
+    return f"{fmt(entry[key], 1)} s CPU" if key in entry else "CPU not recorded"
 
 
 if __name__ == "__main__":

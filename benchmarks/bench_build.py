@@ -44,12 +44,14 @@ def timed_build(checkpoint: Path, output: Path, *args: str) -> dict[str, Any]:
     match = re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr)
     if match:
         peak = int(match.group(1)) * 1024
-    reported = re.search(r"built .* in ([\d.]+) s, peak memory ([\d.]+) (MB|GB)", proc.stdout)
+    reported = re.search(r"built .* in ([\d.]+) s(?: \(quantization ([\d.]+) s on \d+ threads\))?, peak memory "
+                         r"([\d.]+) (MB|GB)", proc.stdout)
     files = {p.name: p.stat().st_size for p in output.iterdir() if p.is_file()}
     return {
         "args": list(args),
         "wall_s": round(wall, 1),
         "build_s": float(reported.group(1)) if reported else None,
+        "quantize_s": float(reported.group(2)) if reported and reported.group(2) else None,
         "peak_rss_bytes": peak,
         "package_bytes": sum(files.values()),
         "files": files,

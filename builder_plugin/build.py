@@ -56,6 +56,8 @@ class BuildResult:
     seconds: float
     peak_rss_bytes: int
     runnable: bool
+    quantize_seconds: float = 0.0  # computing quantized weights, within `seconds`
+    jobs: int = 1  # the threads that did it
 
     @property
     def total_bytes(self) -> int:
@@ -86,6 +88,8 @@ def validate_options(options: BuildOptions, config: Phi4MMConfig) -> None:
         raise InputError(f"--lora {options.lora} needs the {' and '.join(missing)} LoRA, which this checkpoint lacks")
     if options.merge_lora and options.lora not in ("vision", "speech"):
         raise InputError("--merge-lora folds one adapter into the base weights: use it with --lora vision or speech")
+    if options.jobs is not None and options.jobs < 1:
+        raise InputError(f"--jobs must be at least 1, got {options.jobs}")
     if options.max_length is not None:
         context = config.text.max_position_embeddings
         if options.max_length <= 0:
@@ -160,7 +164,7 @@ def build(options: BuildOptions, progress: bool = True) -> BuildResult:
         specs: dict[Component, IOSpec] = {}
         filenames: dict[Component, str] = {}
         runtime: DecoderRuntimeSettings | None = None
-        quant_cache = QuantizationCache()
+        quant_cache = QuantizationCache(options.jobs)
         prepacking: dict[Component, bool] = {}
         for step, component in enumerate(components, 1):
             if progress:
@@ -194,6 +198,8 @@ def build(options: BuildOptions, progress: bool = True) -> BuildResult:
         seconds=time.perf_counter() - start,
         peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         runnable=runnable,
+        quantize_seconds=quant_cache.stats.seconds,
+        jobs=quant_cache.stats.jobs,
     )
 
 

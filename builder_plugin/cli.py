@@ -102,6 +102,8 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
                      help="resolve the model (local or hub), check the options and config, and print what would be "
                      "downloaded (files, sizes), what would be built and the expected package size; downloads no "
                      "weights and writes no package")
+    plg.add_argument("--jobs", type=int, default=None, metavar="N",
+                     help="threads that quantize the weights (default: the cores this process may use)")
     plg.add_argument("--no-progress", action="store_true", help="no progress bars")
     plg.add_argument("-v", "--verbose", action="store_true", help="show tracebacks and debug logging")
     return p
@@ -208,6 +210,7 @@ def _run(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         extra_options=extra_options,
         source=source.provenance,
+        jobs=args.jobs,
     )
     from builder_plugin.preflight import preflight
 
@@ -228,7 +231,9 @@ def _print_summary(result) -> None:
     for name, size in result.files:
         print(f"  {name:<{width}}  {_human(size):>9}")
     built = ", ".join(c.value for c in result.components)
-    print(f"built {built} in {result.seconds:.1f} s, peak memory {_human(result.peak_rss_bytes)}, "
+    quantized = (f" (quantization {result.quantize_seconds:.1f} s on {result.jobs} threads)"
+                 if result.quantize_seconds else "")
+    print(f"built {built} in {result.seconds:.1f} s{quantized}, peak memory {_human(result.peak_rss_bytes)}, "
           f"{len(result.files)} files, {_human(result.total_bytes)}")
     if result.runnable:
         print(f"package ready: {result.output_dir}")

@@ -60,6 +60,7 @@ class BuildOptions:
         if self.quantize:
             options["algo_config"] = self.algo_config
         return {"name": "builder_plugin", "version": __version__, "options": options}
+    jobs: int | None = None  # threads that quantize; None: the cores this process may use
 
     @property
     def io_dtype(self) -> str:

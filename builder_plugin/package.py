@@ -18,6 +18,7 @@ import onnx_ir as ir
 from tqdm import tqdm
 
 from builder_plugin.errors import OutputError
+from builder_plugin.quantize import QuantizedPiece, work_estimate
 
 INLINE_LIMIT_BYTES = 1024  # smaller initializers (shape constants, scalars) stay inside the .onnx file
 _ALIGNMENT = 64
@@ -46,6 +47,10 @@ class ExternalDataStore:
         if isinstance(tensor, ir.LazyTensor):  # cheap to hold (no data); holding it keeps its id from being reused
             self._by_object[id(tensor)] = (tensor, location)
         return location
+
+    def has(self, tensor: ir.TensorProtocol) -> bool:
+        """Whether this very tensor object is written already (so putting it again costs nothing)."""
+        return id(tensor) in self._by_object
 
     def _put_bytes(self, tensor: ir.TensorProtocol) -> tuple[int, int]:
         data = tensor.tobytes()
@@ -92,19 +97,25 @@ class PackageWriter:
         store = self.store(data_file)
         values = [v for v in _initializers(model.graph) if v.const_value is not None]
         large = [v for v in values if v.const_value.nbytes > INLINE_LIMIT_BYTES]
-        total = sum(v.const_value.nbytes for v in large)
-        # disable=None: a bar on a terminal only (into a log or a pipe it would write a \r-line per update)
-        with tqdm(total=total, unit="B", unit_scale=True, desc=f"writing {filename}", leave=False,
-                  disable=None if self.progress else True) as bar:
-            for value in large:
-                bar.set_postfix_str(value.name, refresh=False)  # e.g. model.layers.12.attn.qkv_proj.MatMul.weight_Q4
+        # disable=None: a bar on a terminal only (into a log or a pipe it would write a \r-line per update).
+        # The bar advances by each tensor's estimated time (quantizing it included), so its time left is an estimate
+        # of the time; it counts the weights.
+        work = [0.0 if store.has(v.const_value) else work_estimate(v.const_value) for v in large]
+        quantizing = any(isinstance(v.const_value, QuantizedPiece) for v in large)
+        desc = f"{filename}: {'quantizing and writing' if quantizing else 'writing'}"
+        with tqdm(total=sum(work), desc=desc, leave=False, disable=None if self.progress else True, smoothing=0.05,
+                  bar_format="{desc} {percentage:3.0f}%|{bar:20}| {elapsed} elapsed, {remaining} left{postfix}",
+                  ) as bar:
+            for done, (value, cost) in enumerate(zip(large, work, strict=True)):
+                # e.g. 12/345 weights, model.layers.12.attn.qkv_proj.MatMul.weight_Q4
+                bar.set_postfix_str(f"{done}/{len(large)} weights, {value.name}", refresh=False)
                 tensor = value.const_value
                 offset, length = store.put(tensor)
                 value.const_value = ir.ExternalTensor(
                     location=data_file, offset=offset, length=length, dtype=tensor.dtype, shape=tensor.shape,
                     name=value.name, base_dir=self.folder,
                 )
-                bar.update(length)
+                bar.update(cost)
         path = self.folder / filename
         ir.save(model, path)
         self.files.append(path)

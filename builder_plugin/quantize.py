@@ -15,13 +15,16 @@ with the same padding, layouts and names, so the result is byte-identical to tha
 
 Nothing here holds the float graph in memory. A weight that is a `ColumnChunkedTensor` is additionally quantized a slab
 of output columns at a time (each column's blocks are quantized independently, so the bytes are the same), which
-bounds the float working set to one slab instead of one whole [K, N] matrix.
+bounds the float working set to one slab instead of one whole [K, N] matrix. k_quant's search runs in
+`builder_plugin.k_quant`, a few thousand blocks at a time on `jobs` threads, with the reference's bytes.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Hashable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,12 +33,16 @@ import onnx_ir as ir
 from builder_plugin.dtypes import DTYPES, GRAPH_FLOATS
 from builder_plugin.extra_options import METHODS
 from builder_plugin.graph import MS_DOMAIN
+from builder_plugin.k_quant import BlockPool, default_jobs, k_quant_chunk
 
 BITS_CHOICES: tuple[int, ...] = (4, 8)
-# Float bytes quantized per slab when a weight can be produced column range by column range. k_quant's numpy
-# search keeps about ten float32 arrays of the slab's size alive, so its slabs are smaller.
+# Float bytes quantized per slab when a weight can be produced column range by column range. k_quant's search keeps
+# a transposed copy of the slab besides its per-thread chunks (builder_plugin.k_quant), so its slabs are smaller.
 SLAB_BYTES = 64 << 20
-K_QUANT_SLAB_BYTES = 16 << 20
+K_QUANT_SLAB_BYTES = 32 << 20
+# Time to quantize one float value by each method on one thread (k_quant's search is spread over the jobs), in units
+# of the time to write one byte: how the build's time-left estimate weighs a weight (measured on full-width weights).
+COST_PER_VALUE = {"default": 10.0, "rtn": 14.0, "k_quant": 60.0}
 
 _QUANTIZABLE = {DTYPES[name].onnx: DTYPES[name].numpy for name in GRAPH_FLOATS}
 
@@ -125,15 +132,25 @@ class QuantizedWeight:
 
     PIECES = ("packed", "scales", "zero_points")
 
-    def __init__(self, source: ir.TensorProtocol, scheme: QuantScheme) -> None:
+    def __init__(self, source: ir.TensorProtocol, scheme: QuantScheme, stats: QuantStats | None = None) -> None:
         if source.dtype not in _QUANTIZABLE:
             raise ValueError(f"cannot quantize a {source.dtype} weight")
         k, n = (int(d) for d in source.shape)
         self.source = source
         self.scheme = scheme
+        self.stats = stats or QuantStats()
         self.layout = _Layout(k, n, scheme.block_size, scheme.bits)
         self._pending: dict[str, np.ndarray] = {}
+        self._done = False
         self._lock = threading.Lock()
+
+    @property
+    def cost(self) -> float:
+        """What computing this weight costs, in units of the time to write one byte (COST_PER_VALUE)."""
+        per_value = COST_PER_VALUE[self.scheme.method]
+        if self.scheme.method == "k_quant":
+            per_value /= self.stats.jobs
+        return self.layout.k * self.layout.n * per_value
 
     @property
     def float_dtype(self) -> np.dtype:
@@ -153,15 +170,17 @@ class QuantizedWeight:
     def piece(self, piece: str) -> np.ndarray:
         with self._lock:
             if piece not in self._pending:
+                started = time.perf_counter()
                 self._pending = self._compute()
+                self.stats.add(time.perf_counter() - started, first=not self._done)
+                self._done = True
             array = self._pending.pop(piece)
             if set(self._pending) <= (set() if self.scheme.has_zero_points else {"zero_points"}):
                 self._pending = {}
             return array
 
-    def lazy(self, piece: str, name: str) -> ir.LazyTensor:
-        return ir.LazyTensor(lambda: ir.tensor(self.piece(piece), dtype=self.dtype(piece), name=name),
-                             dtype=self.dtype(piece), shape=ir.Shape(self.shape(piece)), name=name)
+    def lazy(self, piece: str, name: str) -> QuantizedPiece:
+        return QuantizedPiece(self, piece, name)
 
     def _compute(self) -> dict[str, np.ndarray]:
         lay = self.layout
@@ -171,9 +190,15 @@ class QuantizedWeight:
         if isinstance(self.source, ColumnChunkedTensor):
             budget = K_QUANT_SLAB_BYTES if self.scheme.method == "k_quant" else SLAB_BYTES
             slab = max(1, budget // max(1, lay.k * self.float_dtype.itemsize))
-            for c0 in range(0, lay.n, slab):
-                c1 = min(lay.n, c0 + slab)
-                self._quantize(self.source.columns(c0, c1), packed[c0:c1], scales[c0:c1], zero_points[c0:c1])
+            ranges = [(c0, min(lay.n, c0 + slab)) for c0 in range(0, lay.n, slab)]
+            # the next slab is read while this one is quantized: one more slab in memory, no idle threads meanwhile
+            upcoming = self.stats.reader.submit(self.source.columns, *ranges[0])
+            for i, (c0, c1) in enumerate(ranges):
+                weight = upcoming.result()
+                if i + 1 < len(ranges):
+                    upcoming = self.stats.reader.submit(self.source.columns, *ranges[i + 1])
+                self._quantize(weight, packed[c0:c1], scales[c0:c1], zero_points[c0:c1])
+                del weight
         else:
             self._quantize(self.source.numpy(), packed, scales, zero_points)
         return {"packed": packed, "scales": scales, "zero_points": zero_points}
@@ -190,7 +215,7 @@ class QuantizedWeight:
         if self.scheme.method == "default":
             _mlas(weight, rows, lay, self.scheme.symmetric, packed, scales, zero_points)
         else:
-            _neural_compressor(weight, lay, self.scheme, packed, scales, zero_points)
+            _neural_compressor(weight, lay, self.scheme, packed, scales, zero_points, self.stats.pool)
 
 
 def _mlas(weight: np.ndarray, rows: int, lay: _Layout, symmetric: bool, packed: np.ndarray, scales: np.ndarray,
@@ -210,14 +235,20 @@ def _mlas(weight: np.ndarray, rows: int, lay: _Layout, symmetric: bool, packed: 
 
 
 def _neural_compressor(weight: np.ndarray, lay: _Layout, scheme: QuantScheme, packed: np.ndarray,
-                       scales: np.ndarray, zero_points: np.ndarray) -> None:
+                       scales: np.ndarray, zero_points: np.ndarray, pool: BlockPool) -> None:
     """rtn_quantize's per-weight step (quant_tensor / k-quant, then make_matmul_weight_only_node's packing) on a
-    padded column slab [k_blocks * block_size, cols]."""
-    from onnxruntime.quantization.neural_compressor.weight_only import quant_tensor, quant_tensor_k_quant_cuda
+    padded column slab [k_blocks * block_size, cols]. k-quant is `quant_tensor_k_quant_cpu` (what the reference's
+    `quant_tensor_k_quant_cuda` runs without CUDA) on the pool's threads."""
+    from onnxruntime.quantization.neural_compressor.weight_only import quant_tensor
 
     cols = weight.shape[1]
     if scheme.method == "k_quant":
-        q, scale, zp = quant_tensor_k_quant_cuda(weight.T, scheme.bits, lay.block_size)
+        blocks = weight.T.reshape(-1, lay.block_size)  # one row per block of one column, as the reference reshapes
+        # With one block per column the reference's reshape keeps the transpose's Fortran order (of the whole weight,
+        # which it quantizes at once), and numpy sums such rows in order.
+        sequential = lay.k_blocks == 1 and lay.n > 1
+        q, scale, zp = pool.run(lambda chunk: k_quant_chunk(chunk, scheme.bits, sequential), blocks, np.uint8,
+                                np.float64)
     else:
         q, scale, zp = quant_tensor(weight.T, scheme.bits, lay.block_size, "sym" if scheme.symmetric else "asym",
                                     "uint", 1)
@@ -239,12 +270,60 @@ def _neural_compressor(weight: np.ndarray, lay: _Layout, scheme: QuantScheme, pa
     zero_points[...] = zp
 
 
+class QuantizedPiece(ir.LazyTensor):
+    """One piece (packed, scales or zero points) of a QuantizedWeight, computed when first read."""
+
+    def __init__(self, weight: QuantizedWeight, piece: str, name: str) -> None:
+        super().__init__(lambda: ir.tensor(weight.piece(piece), dtype=weight.dtype(piece), name=name),
+                         dtype=weight.dtype(piece), shape=ir.Shape(weight.shape(piece)), name=name)
+        self.weight = weight
+        self.piece_name = piece
+
+
+def work_estimate(tensor: ir.TensorProtocol) -> float:
+    """What writing `tensor` costs, in units of the time to write one byte: its bytes, plus the whole weight's
+    quantization for the first piece of a QuantizedWeight (the one whose reading computes it; packed comes first)."""
+    if isinstance(tensor, QuantizedPiece) and tensor.piece_name == "packed":
+        return tensor.nbytes + tensor.weight.cost
+    return tensor.nbytes
+
+
+class QuantStats:
+    """The threads k-quant runs on (`jobs`, default: the cores this process may use) and the quantization time."""
+
+    def __init__(self, jobs: int | None = None) -> None:
+        self.jobs = jobs or default_jobs()
+        self.seconds = 0.0
+        self.weights = 0
+        self._pool: BlockPool | None = None
+        self._reader: ThreadPoolExecutor | None = None
+
+    @property
+    def pool(self) -> BlockPool:
+        if self._pool is None:
+            self._pool = BlockPool(self.jobs)
+        return self._pool
+
+    @property
+    def reader(self) -> ThreadPoolExecutor:
+        """The thread that reads a weight's next column slab ahead."""
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="read-ahead")
+        return self._reader
+
+    def add(self, seconds: float, first: bool) -> None:
+        self.seconds += seconds
+        self.weights += first
+
+
 class QuantizationCache:
     """Shares the quantized form of a float weight between graphs that reference the same weight object (the decoder
     variants) or a weight with the same `ColumnChunkedTensor.key` (the embedding's copy of the tied lm_head), so each
-    weight is quantized once per save and written once by a writer that deduplicates by object."""
+    weight is quantized once per save and written once by a writer that deduplicates by object. `stats` says how
+    long quantizing took and holds the threads k-quant runs on."""
 
-    def __init__(self) -> None:
+    def __init__(self, jobs: int | None = None) -> None:
+        self.stats = QuantStats(jobs)
         self._by_source: dict[tuple[Hashable, QuantScheme], tuple[ir.TensorProtocol, dict[str, ir.LazyTensor]]] = {}
 
     def tensors(self, source: ir.TensorProtocol, scheme: QuantScheme,
@@ -253,7 +332,7 @@ class QuantizationCache:
         key = (id(source) if content is None else content, scheme)
         entry = self._by_source.get(key)
         if entry is None or any(entry[1][p].name != names[p] for p in names):
-            weight = QuantizedWeight(source, scheme)
+            weight = QuantizedWeight(source, scheme, self.stats)
             entry = (source, {piece: weight.lazy(piece, name) for piece, name in names.items()})
             self._by_source[key] = entry  # keeps `source` alive, so its id cannot be reused
         return entry[1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -232,6 +233,7 @@ def _no_work(monkeypatch) -> None:
 
 @pytest.mark.parametrize(("args", "needles"), [
     (["--max-length", "0"], ["--max-length must be positive"]),
+    (["--jobs", "0"], ["--jobs must be at least 1"]),
     (["--max-length", "1000000000"], ["--max-length 1000000000", "context length"]),
     (["--extra_options", "block_size=512"], ["block_size=512", "16, 32, 64, 128, 256"]),
     (["-p", "fp16"], ["fp16", "cuda"]),
@@ -320,3 +322,14 @@ def test_usage_line_names_the_command_it_was_called_as() -> None:
     assert as_script.returncode == as_module.returncode == 0, as_script.stderr
     assert as_script.stdout.startswith("usage: phi4mm-genai-build ")
     assert as_module.stdout.startswith("usage: python -m builder_plugin ")
+def test_jobs_reach_the_quantizer_and_the_summary_says_how_long_quantization_took(tmp_path: Path,
+                                                                                  tiny_checkpoint: Path) -> None:
+    out = tmp_path / "out"
+    result = run_cli("-i", str(tiny_checkpoint), "-o", str(out), "--no-progress", "--components", "vision",
+                     "--jobs", "2")
+    assert result.returncode == 0, result.stderr
+    summary = [line for line in result.stdout.splitlines() if line.startswith("built vision in ")]
+    assert len(summary) == 1 and re.search(r"\(quantization \d+\.\d s on 2 threads\)", summary[0]), result.stdout
+    float_build = run_cli("-i", str(tiny_checkpoint), "-o", str(tmp_path / "fp32"), "--no-progress", "--components",
+                          "vision", "-p", "fp32")
+    assert float_build.returncode == 0 and "quantization" not in float_build.stdout

@@ -54,7 +54,7 @@ class ComponentBuilder(ABC):
         self.config = config
         self.options = options
         # build() hands every component one cache, so the embedding and the decoder share the token table's blocks
-        self.quant_cache = QuantizationCache()
+        self.quant_cache = QuantizationCache(options.jobs)
 
     @classmethod
     @abstractmethod
@@ -78,12 +78,13 @@ class ComponentBuilder(ABC):
     def quantize(self, model: ir.Model) -> ir.Model:
         """int4/int8 (unless --float-encoders): every MatMul with a constant weight becomes MatMulNBits with the
         encoders' scheme. That is the vision and speech graphs; the embedding has no MatMul (its quantized lookup
-        reads the lm_head's blocks from `quant_cache` while it is built). No weight of theirs is in another graph,
-        so they need no shared cache."""
+        reads the lm_head's blocks from `quant_cache` while it is built). No weight of theirs is in another graph;
+        the cache counts their quantization time and holds the threads."""
         options = self.options
         if not (options.quantize and options.quantize_encoders):
             return model
-        return quantize_matmuls(model, QuantPlan.for_encoders(options), options.accuracy_level)
+        return quantize_matmuls(model, QuantPlan.for_encoders(options), options.accuracy_level,
+                                cache=self.quant_cache)
 
     def finish(self, model: ir.Model) -> ir.Model:
         """What a graph still needs after quantization before it is checked and written (nothing by default)."""

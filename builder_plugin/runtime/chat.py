@@ -37,6 +37,7 @@ from builder_plugin.runtime.errors import ChatError, PackageError, PromptTooLong
 from builder_plugin.runtime.manifest import Manifest, mode_of
 from builder_plugin.runtime.media import check_audio, check_image, decoder_reason
 from builder_plugin.runtime.prompt import ASSISTANT, END, Turn, build_prompt, user_content, user_turn
+from builder_plugin.runtime.threads import thread_overlay
 
 GENAI_CONFIG_FILE = "genai_config.json"
 FOLLOW_UP_ROOM = 1024  # tokens of KV cache kept free for follow-up questions beyond the answer's max_new_tokens
@@ -145,9 +146,10 @@ class Chat:
 
     def __init__(self, package_dir: str | Path, max_length: int | None = None,
                  execution_provider: str | None = None, system: str | None = None,
-                 follow_up_room: int = FOLLOW_UP_ROOM) -> None:
+                 follow_up_room: int = FOLLOW_UP_ROOM, threads: int | None = None) -> None:
         self.package_dir = Path(package_dir).expanduser()
         self.execution_provider = execution_provider
+        self.threads = threads  # intra-op threads of every session; None: every CPU the process may use
         self.system = system
         self.follow_up_room = follow_up_room
         self.turns: list[Turn] = []
@@ -174,6 +176,10 @@ class Chat:
         except (ValueError, KeyError, TypeError) as exc:
             raise PackageError(f"cannot read the package configuration in {self.package_dir}: {exc}") from exc
         self.has_speech = bool(model.get("speech", {}).get("filename"))
+        try:
+            self._thread_overlay = thread_overlay(self.genai_config, threads)
+        except ValueError as exc:
+            raise PackageError(str(exc)) from exc
         if max_length is not None and not 0 < max_length <= self.context_length:
             raise PackageError(f"max_length must be between 1 and the context length {self.context_length}")
         self.max_length = max_length or configured
@@ -212,9 +218,10 @@ class Chat:
         if variant not in self._models:
             try:
                 config = og.Config(str(self.package_dir))
-                overlay: dict[str, Any] = {"search": {"max_length": self.max_length}}
+                overlay: dict[str, Any] = {"search": {"max_length": self.max_length},
+                                           "model": json.loads(json.dumps(self._thread_overlay))}
                 if variant != self.main_decoder:
-                    overlay["model"] = {"decoder": {"filename": variant}}
+                    overlay["model"].setdefault("decoder", {})["filename"] = variant
                 config.overlay(json.dumps(overlay))
                 if self.execution_provider is not None:
                     config.clear_providers()
@@ -521,7 +528,7 @@ def _with_ids(inputs: Any, ids: list[int]) -> Any:
 
 def generate(package_dir: str | Path, prompt: str, images: Sequence[str | Path] = (),
              audios: Sequence[str | Path] = (), max_new_tokens: int = 32, max_length: int | None = None,
-             execution_provider: str | None = None) -> Generation:
+             execution_provider: str | None = None, threads: int | None = None) -> Generation:
     """One raw generation with a fresh Chat (see Chat.generate)."""
-    chat = Chat(package_dir, max_length=max_length, execution_provider=execution_provider)
+    chat = Chat(package_dir, max_length=max_length, execution_provider=execution_provider, threads=threads)
     return chat.generate(prompt, images, audios, max_new_tokens)

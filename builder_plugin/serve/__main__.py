@@ -34,6 +34,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="longest conversation in tokens, prompt included (default: the package's search.max_length)")
     p.add_argument("-e", "--execution-provider", choices=EXECUTION_PROVIDERS, default=None,
                    help="run on this provider (default: the one the package was built for)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="intra-op threads of every session (default: every CPU this process may use)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs and tracebacks")
     return p
 
@@ -66,7 +68,8 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError("--max-queue must be at least 1")
     if args.max_body_mb <= 0 or args.media_cache_mb <= 0:
         raise ValueError("--max-body-mb and --media-cache-mb must be positive")
-    chat = Chat(args.package, max_length=args.max_length, execution_provider=args.execution_provider)
+    chat = Chat(args.package, max_length=args.max_length, execution_provider=args.execution_provider,
+                threads=args.threads)
     chat.load(chat.variant_for(has_image=False, has_audio=False))  # the first text request does not wait for it
     listener = socket.create_server((args.host, args.port))
     host, port = listener.getsockname()[:2]

@@ -10,6 +10,8 @@ alternate the order of the two settings so background load hits both alike. Sett
   package that does not set one (min(16, CPUs / 2)); it is what an app loading the package with `og.Model(path)`
   gets.
 - "default": `Chat(package)`, every CPU the process may use (builder_plugin.runtime.threads).
+- "default, no spinning" (--no-spin-setting, Chat only): the same with `session.intra_op.allow_spinning` "0" in
+  every section the overlay sets: a pool thread with no work sleeps at once instead of spinning first.
 Per process: an untimed 4-token warm-up answer, then a text question answered with --new-tokens tokens through
 `Chat.ask` (tokens/s = the answer's decode rate) and the same prompt through a raw og.Generator on Chat's model with
 end-of-sequence masked (tokens/s = 1 / median step); with --image, a new conversation with one --image-size image,
@@ -53,6 +55,8 @@ DOC = ROOT / "docs" / "benchmarks.md"
 HEADING = "## Threads"
 QUESTION = "Write a long story about a lighthouse keeper and the ships she watches."
 SETTINGS = ("as built", "default")
+NO_SPIN = "default, no spinning"  # --no-spin-setting: idle pool threads sleep at once instead of spinning first
+SPIN_ENTRY = "session.intra_op.allow_spinning"
 
 
 def _threads_of(setting: str) -> int | None:
@@ -68,6 +72,9 @@ def chat_worker(job: dict[str, Any]) -> dict[str, Any]:
 
     started = time.perf_counter()
     chat = Chat(job["package"], max_length=job["max_length"], threads=job["threads"])
+    if job.get("no_spin"):  # the same overlay with spinning off in every section it sets
+        for section in chat._thread_overlay.values():
+            section["session_options"][SPIN_ENTRY] = "0"
     variant = chat.variant_for(has_image=False, has_audio=False)
     chat.load(variant)
     out: dict[str, Any] = {"load_s": time.perf_counter() - started}
@@ -164,23 +171,25 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         from common import make_media
 
         image = str(make_media(Path(args.work), tuple(args.image_size), 1.0) / "photo.png")
+    settings = SETTINGS + ((NO_SPIN,) if args.no_spin_setting else ())
     packages: dict[str, Any] = {}
     for package in args.packages:
         config = json.loads((Path(package) / "genai_config.json").read_text())
         decoder = Path(package) / config["model"]["decoder"]["filename"]
         packages[package] = {"layers": config["model"]["decoder"]["num_hidden_layers"],
-                             "bytes": decode_weight_bytes(decoder), "runs": {s: [] for s in SETTINGS}}
+                             "bytes": decode_weight_bytes(decoder), "runs": {s: [] for s in settings}}
     bandwidth = []
     vias = ["chat"] + (["server"] if args.serve else [])
     for round_index in range(args.rounds):
         probe = read_bandwidth(threads=available_cpus()).as_dict()
         bandwidth.append(probe)
         print(f"round {round_index + 1}: read {probe['best_gb_s']:.1f} GB/s", file=sys.stderr, flush=True)
-        order = SETTINGS if round_index % 2 == 0 else SETTINGS[::-1]
+        order = settings if round_index % 2 == 0 else settings[::-1]
         for package, entry in packages.items():
             for setting in order:
-                for via in vias:
+                for via in vias if setting != NO_SPIN else ["chat"]:
                     job = {"package": package, "threads": _threads_of(setting), "via": via,
+                           "no_spin": setting == NO_SPIN,
                            "new_tokens": args.new_tokens, "max_length": args.max_length,
                            "image": image if via == "chat" else None}
                     result = run_worker(job, args.lock)
@@ -217,8 +226,7 @@ def report(results: dict[str, Any]) -> str:
     for package, entry in results["packages"].items():
         step_bytes = entry["bytes"]["total_bytes"]
         bound = read / step_bytes
-        for setting in SETTINGS:
-            runs = entry["runs"][setting]
+        for setting, runs in entry["runs"].items():
             chat = [r["chat"]["tokens_per_s"] for r in runs if "chat" in r]
             raw = [1 / statistics.median(r["raw_steps_s"]) for r in runs if "raw_steps_s" in r]
             served = [r["server"]["tokens_per_s"] for r in runs if "server" in r]
@@ -272,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image", action="store_true", help="also time the first token of a one-image prompt")
     parser.add_argument("--image-size", type=int, nargs=2, default=[448, 448], metavar=("W", "H"))
     parser.add_argument("--serve", action="store_true", help="also decode through python -m builder_plugin.serve")
+    parser.add_argument("--no-spin-setting", action="store_true",
+                        help=f"also run Chat's default with {SPIN_ENTRY}=0 (chat only)")
     parser.add_argument("--lock", default=None, help="flock this file around every worker process")
     parser.add_argument("--work", default="/tmp/bench_threads")
     parser.add_argument("--label", default=None, help="name of this run in --out (default: the package names)")

@@ -265,6 +265,11 @@ def report(results: dict[str, Any]) -> str:
     ])
 
 
+def body_of(merged: dict[str, Any]) -> str:
+    """Every run's report under one heading."""
+    return "\n\n".join(report(run).split("\n", 2)[2] for run in merged["runs"].values())
+
+
 def merge(previous: dict[str, Any], label: str, results: dict[str, Any]) -> dict[str, Any]:
     runs = dict(previous.get("runs", {}))
     runs[label] = results
@@ -287,11 +292,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--label", default=None, help="name of this run in --out (default: the package names)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--doc", default=str(DOC), help="Markdown file to update ('' = none)")
+    parser.add_argument("--from-json", type=Path, help="measure nothing: publish the runs of an earlier --out file")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         job = json.loads(args.worker)
         print(json.dumps(chat_worker(job) if job["via"] == "chat" else server_worker(job)))
+        return 0
+    if args.from_json:
+        merged = json.loads(args.from_json.read_text())
+        publish(merged, args.out, args.doc, HEADING, body_of(merged))
         return 0
     if not args.packages:
         parser.error("give at least one package folder")
@@ -300,9 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     label = args.label or "+".join(Path(p).name for p in args.packages)
     previous = json.loads(args.out.read_text()) if args.out.is_file() else {}
     merged = merge(previous, label, results)
-    body = "\n\n".join(report(run) if i == 0 else report(run).split("\n", 2)[2]
-                       for i, run in enumerate(merged["runs"].values()))
-    publish(merged, args.out, args.doc, HEADING, body)
+    publish(merged, args.out, args.doc, HEADING, body_of(merged))
     return 0
 
 

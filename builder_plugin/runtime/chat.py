@@ -18,6 +18,8 @@
 - LongRoPE: the first time the sequence grows past ``original_max_position_embeddings`` (from the package manifest)
   the whole cache is recomputed with the long factors, once per conversation, as the original model's generation
   does; the runtime does not do this for phi4mm. It costs one prefill of that many tokens (media encoded again).
+- Threads: every session of a loaded model (decoder, embedding, vision, speech) computes with ``threads`` intra-op
+  threads, by default every CPU the process may use, set by an og.Config overlay at load (runtime/threads.py).
 """
 
 from __future__ import annotations

@@ -10,8 +10,9 @@ alternate the order of the two settings so background load hits both alike. Sett
   package that does not set one (min(16, CPUs / 2)); it is what an app loading the package with `og.Model(path)`
   gets.
 - "default": `Chat(package)`, every CPU the process may use (builder_plugin.runtime.threads).
-- "default, no spinning" (--no-spin-setting, Chat only): the same with `session.intra_op.allow_spinning` "0" in
-  every section the overlay sets: a pool thread with no work sleeps at once instead of spinning first.
+  Idle pool threads sleep at once (`session.intra_op.allow_spinning` "0").
+- "default, spinning" (--spin-setting, Chat only): the same with `session.intra_op.allow_spinning` "1" (onnxruntime's
+  own default) in every section the overlay sets: a pool thread with no work spins before it sleeps.
 Per process: an untimed 4-token warm-up answer, then a text question answered with --new-tokens tokens through
 `Chat.ask` (tokens/s = the answer's decode rate) and the same prompt through a raw og.Generator on Chat's model with
 end-of-sequence masked (tokens/s = 1 / median step); with --image, a new conversation with one --image-size image,
@@ -49,14 +50,15 @@ from common import (
 )
 from runtime_bench.decoder_graph import decode_weight_bytes
 
+from builder_plugin.runtime.threads import SPINNING_KEY
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "threads.json"
 DOC = ROOT / "docs" / "benchmarks.md"
 HEADING = "## Threads"
 QUESTION = "Write a long story about a lighthouse keeper and the ships she watches."
 SETTINGS = ("as built", "default")
-NO_SPIN = "default, no spinning"  # --no-spin-setting: idle pool threads sleep at once instead of spinning first
-SPIN_ENTRY = "session.intra_op.allow_spinning"
+SPIN = "default, spinning"  # --spin-setting: idle pool threads spin before they sleep (onnxruntime's own default)
 
 
 def _threads_of(setting: str) -> int | None:
@@ -72,9 +74,9 @@ def chat_worker(job: dict[str, Any]) -> dict[str, Any]:
 
     started = time.perf_counter()
     chat = Chat(job["package"], max_length=job["max_length"], threads=job["threads"])
-    if job.get("no_spin"):  # the same overlay with spinning off in every section it sets
+    if job.get("spin"):  # the same overlay with spinning on in every section it sets
         for section in chat._thread_overlay.values():
-            section["session_options"][SPIN_ENTRY] = "0"
+            section["session_options"][SPINNING_KEY] = "1"
     variant = chat.variant_for(has_image=False, has_audio=False)
     chat.load(variant)
     out: dict[str, Any] = {"load_s": time.perf_counter() - started}
@@ -171,7 +173,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         from common import make_media
 
         image = str(make_media(Path(args.work), tuple(args.image_size), 1.0) / "photo.png")
-    settings = SETTINGS + ((NO_SPIN,) if args.no_spin_setting else ())
+    settings = SETTINGS + ((SPIN,) if args.spin_setting else ())
     packages: dict[str, Any] = {}
     for package in args.packages:
         config = json.loads((Path(package) / "genai_config.json").read_text())
@@ -187,9 +189,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         order = settings if round_index % 2 == 0 else settings[::-1]
         for package, entry in packages.items():
             for setting in order:
-                for via in vias if setting != NO_SPIN else ["chat"]:
+                for via in vias if setting != SPIN else ["chat"]:
                     job = {"package": package, "threads": _threads_of(setting), "via": via,
-                           "no_spin": setting == NO_SPIN,
+                           "spin": setting == SPIN,
                            "new_tokens": args.new_tokens, "max_length": args.max_length,
                            "image": image if via == "chat" else None}
                     result = run_worker(job, args.lock)
@@ -285,8 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--image", action="store_true", help="also time the first token of a one-image prompt")
     parser.add_argument("--image-size", type=int, nargs=2, default=[448, 448], metavar=("W", "H"))
     parser.add_argument("--serve", action="store_true", help="also decode through python -m builder_plugin.serve")
-    parser.add_argument("--no-spin-setting", action="store_true",
-                        help=f"also run Chat's default with {SPIN_ENTRY}=0 (chat only)")
+    parser.add_argument("--spin-setting", action="store_true",
+                        help=f"also run Chat's default with {SPINNING_KEY}=1 (chat only)")
     parser.add_argument("--lock", default=None, help="flock this file around every worker process")
     parser.add_argument("--work", default="/tmp/bench_threads")
     parser.add_argument("--label", default=None, help="name of this run in --out (default: the package names)")

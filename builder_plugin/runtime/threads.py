@@ -7,6 +7,10 @@
   session has its own pool (no global pools), so the count must be set for each: decoder, embedding, vision, speech.
 - Decoding is memory-bound and one core cannot saturate the memory bus, so the default here is every CPU this process
   may run on (``os.sched_getaffinity``), overridable.
+- Idle pool threads sleep at once instead of spinning first (``session.intra_op.allow_spinning`` "0", unless the
+  package sets it): with other work on the machine a spinning thread takes the core a computing one needs, and with
+  two threads per session that made decoding slower than one thread; with spinning off two threads were faster than
+  one in every measured pair (benchmarks/bench_threads.py). It also spends no battery on busy-waiting.
 - onnxruntime-genai's overlay parser merges a decoder ``session_options`` object into the existing one, but replaces
   the ``session_options`` of every other section with a fresh object: the embedding, vision and speech sections of
   the overlay therefore repeat the package's own options (``session.disable_prepacking`` and the providers) in full.
@@ -22,6 +26,8 @@ from typing import Any
 from builder_plugin.layout import Component
 
 THREADS_KEY = "intra_op_num_threads"
+SPINNING_KEY = "session.intra_op.allow_spinning"
+NO_SPINNING = "0"
 # Sections the runtime creates sessions for; the decoder's session_options are the others' fallback.
 SESSION_SECTIONS = (Component.DECODER.value, Component.EMBEDDING.value, Component.VISION.value,
                     Component.SPEECH.value)
@@ -42,7 +48,7 @@ def genai_default_threads() -> int:
 
 def thread_overlay(genai_config: Mapping[str, Any], threads: int | None = None) -> dict[str, Any]:
     """The ``model`` part of an og.Config overlay giving every session `threads` intra-op threads (None: every CPU
-    this process may use, except where the package itself sets a count)."""
+    this process may use, except where the package itself sets a count) and no spinning."""
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads must be a positive integer, not {threads!r}")
     count = available_cpus() if threads is None else threads
@@ -53,10 +59,13 @@ def thread_overlay(genai_config: Mapping[str, Any], threads: int | None = None) 
         if own is None and section != Component.DECODER.value:
             continue  # runs with the decoder's options
         own = dict(own or {})
-        if threads is None and THREADS_KEY in own:
-            continue  # the package chose a count: keep it
+        chosen = {} if threads is None and THREADS_KEY in own else {THREADS_KEY: count}  # a package's count is kept
+        if SPINNING_KEY not in own:
+            chosen[SPINNING_KEY] = NO_SPINNING
+        if not chosen:
+            continue
         if section == Component.DECODER.value:
-            overlay[section] = {"session_options": {THREADS_KEY: count}}  # merged into the decoder's options
+            overlay[section] = {"session_options": chosen}  # merged into the decoder's options
         else:
-            overlay[section] = {"session_options": {**own, THREADS_KEY: count}}
+            overlay[section] = {"session_options": {**own, **chosen}}
     return overlay

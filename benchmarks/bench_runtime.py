@@ -3,7 +3,7 @@ Phi4MultimodalForCausalLM in PyTorch (eager, fp32), same weights, same prompts, 
 
     python benchmarks/bench_runtime.py [--checkpoint DIR] [--text-layers 8] [--scaling-layers 2] [--rounds 3]
                                        [--full-depth-package DIR]
-                                       [--new-tokens 16] [--repeats 3] [--budget 30] [--threads 2]
+                                       [--new-tokens 16] [--repeats 3] [--budget 30] [--threads N]
                                        [--out benchmarks/results/runtime.json] [--doc docs/benchmarks.md]
     python benchmarks/bench_runtime.py --from-json benchmarks/results/runtime.json   # re-analyse, re-publish
 
@@ -107,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="prefill runs per prompt (at most)")
     parser.add_argument("--budget", type=float, default=30.0,
                         help="no further prefill run of a prompt once its prefills took this many seconds")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="intra-op threads of every session and of PyTorch (default: every CPU the process may "
+                        "use, what Chat and the server give the packages)")
     parser.add_argument("--full-depth-package", type=Path,
                         help="a CPU package built from a checkpoint with the real decoder depth (make_checkpoint "
                         "--preset full, then -p int4): the text prompt also runs on it, a direct check of the "
@@ -122,6 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--doc", type=Path, default=DOC,
                         help="Markdown file whose 'Machine' and 'Run time' sections are rewritten ('' to skip)")
     args = parser.parse_args(argv)
+    if args.threads is None:
+        from builder_plugin.runtime.threads import available_cpus
+
+        args.threads = available_cpus()
     if args.from_json:
         return publish(json.loads(args.from_json.read_text()), args.out, args.doc)
     command = " ".join(["python benchmarks/bench_runtime.py", *(sys.argv[1:] if argv is None else argv)])

@@ -99,6 +99,8 @@ def served(package: Path, args: argparse.Namespace) -> Iterator[tuple[str, str]]
                "--max-queue", str(max(args.concurrency, 1))]
     if args.max_length:
         command += ["--max-length", str(args.max_length)]
+    if args.threads:
+        command += ["--threads", str(args.threads)]
     server = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         line = server.stdout.readline()
@@ -124,7 +126,7 @@ def measure(package: Path, args: argparse.Namespace) -> dict[str, Any]:
         return openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
 
     with served(package, args) as (url, model):
-        chat = Chat(package, max_length=args.max_length)
+        chat = Chat(package, max_length=args.max_length, threads=args.threads)
         chat.load(chat.variant_for(has_image=False, has_audio=False))
         caller = client(url)
         ask_chat(chat, -1, args.max_tokens)  # warm-up, both
@@ -278,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--guidance", action="store_true",
                         help="measure decode tokens/s free and with JSON schemas instead of the serving overhead")
     parser.add_argument("--guidance-runs", type=int, default=3, help="runs of each kind with --guidance")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="intra-op threads of every session, for the server and Chat alike (default: theirs, "
+                        "every CPU the process may use)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--doc", default=str(DOC), help="Markdown file to update ('' = none)")
     args = parser.parse_args(argv)

@@ -50,10 +50,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=10.0, help="clip length (default 10 s)")
     parser.add_argument("--audio-blocks", type=int, default=4, help="conformer blocks (the real model has 24)")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for both ORT and torch")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="threads for both ORT and torch (default: every CPU the process may use)")
     parser.add_argument("--checkpoint", type=Path, help="existing (or to-be-created, kept) full-width checkpoint")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    if args.threads is None:
+        from builder_plugin.runtime.threads import available_cpus
+
+        args.threads = available_cpus()
 
     work = Path(tempfile.mkdtemp(prefix="bench-speech-"))
     try:

@@ -17,7 +17,6 @@ and primitive-op graphs are timed side by side. Results go to benchmarks/results
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import statistics
 import sys
@@ -56,10 +55,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vision-layers", type=int, default=4, help="SigLIP layers (the real model has 27)")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="threads for both ORT and torch")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="threads for both ORT and torch (default: every CPU the process may use)")
     parser.add_argument("--checkpoint", type=Path, help="existing (or to-be-created, kept) full-width checkpoint")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
+    if args.threads is None:
+        from builder_plugin.runtime.threads import available_cpus
+
+        args.threads = available_cpus()
     torch.set_num_threads(args.threads)
 
     work = Path(tempfile.mkdtemp(prefix="bench-vision-"))

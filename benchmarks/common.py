@@ -57,12 +57,15 @@ def time_in_turn(runners: Mapping[str, Callable[[], Any]], repeats: int
     return times, outputs
 
 
-def cpu_session(path: str | Path, threads: int) -> Any:
-    """A plain onnxruntime CPU session with `threads` intra-op threads (onnxruntime imported on first use)."""
+def cpu_session(path: str | Path, threads: int | None = None) -> Any:
+    """A plain onnxruntime CPU session with `threads` intra-op threads (default: every CPU the process may use, as
+    the packages' sessions get them; onnxruntime imported on first use)."""
     import onnxruntime as ort
 
+    from builder_plugin.runtime.threads import available_cpus
+
     options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
+    options.intra_op_num_threads = threads or available_cpus()
     options.inter_op_num_threads = 1
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
@@ -286,13 +289,20 @@ def make_media(folder: Path, image_size: tuple[int, int], audio_seconds: float) 
     return folder
 
 
-def greedy_text_answer(package: str | Path, question: str, new_tokens: int) -> dict[str, Any]:
-    """Load `package` with onnxruntime-genai in this process, as an app does, and answer one text question greedily:
+def greedy_text_answer(package: str | Path, question: str, new_tokens: int,
+                       threads: int | None = None) -> dict[str, Any]:
+    """Load `package` with onnxruntime-genai in this process, as an app following the README does (every session
+    given `threads` intra-op threads, default every CPU the process may use), and answer one text question greedily:
     load time, prompt tokens, prefill (to the first token), the time of each later step, the tokens."""
     import onnxruntime_genai as og
 
+    from builder_plugin.runtime.threads import thread_overlay
+
     started = time.perf_counter()
-    model = og.Model(str(package))
+    config = og.Config(str(package))
+    genai_config = json.loads((Path(package) / "genai_config.json").read_text(encoding="utf-8"))
+    config.overlay(json.dumps({"model": thread_overlay(genai_config, threads)}))
+    model = og.Model(config)
     tokenizer = og.Tokenizer(model)
     loaded = time.perf_counter()
     ids = tokenizer.encode(f"<|user|>{question}<|end|><|assistant|>")

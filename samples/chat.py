@@ -47,6 +47,8 @@ def make_parser() -> argparse.ArgumentParser:
                    help="longest conversation in tokens, prompt included (default: the package's search.max_length)")
     p.add_argument("-e", "--execution-provider", choices=EXECUTION_PROVIDERS, default=None,
                    help="run on this provider (default: the one the package was built for)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="intra-op threads of every session (default: every CPU this process may use)")
     return p
 
 
@@ -58,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         images = [runtime.check_image(p) for p in args.image]
         audios = [runtime.check_audio(p) for p in args.audio]
         chat = runtime.Chat(args.package, max_length=args.max_length, execution_provider=args.execution_provider,
-                            system=args.system)
+                            system=args.system, threads=args.threads)
         if args.prompt is not None:
             return ask_once(chat, args.prompt, images, audios, args.max_new_tokens)
     except runtime.ChatError as exc:

@@ -16,6 +16,7 @@ from typing import Any
 from common import cpu_session, peak_rss_bytes, reset_peak_rss, summarize, time_in_turn, write_json
 
 from builder_plugin.layout import GRAPH_FILES, Component
+from builder_plugin.runtime.threads import thread_overlay
 from runtime_bench import SCRIPT
 from runtime_bench.prepare import Prompt
 
@@ -78,9 +79,9 @@ def _ort_worker(job: dict[str, Any]) -> dict[str, Any]:
         reset_peak_rss()
         start = time.perf_counter()
         config = og.Config(str(package))
-        config.overlay(json.dumps({"model": {"decoder": {
-            "filename": decoder,
-            "session_options": {"intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
+        overlay = thread_overlay(json.loads((package / "genai_config.json").read_text(encoding="utf-8")), threads)
+        overlay["decoder"]["filename"] = decoder  # every session gets the threads, as Chat gives them
+        config.overlay(json.dumps({"model": overlay}))
         model = og.Model(config)
         processor = model.create_multimodal_processor()
         load_s = time.perf_counter() - start

@@ -22,6 +22,8 @@
   question is, as every question after a guided answer starts a new generator over the conversation's ids).
 - Guidance (runtime/guidance.py) constrains one answer; tools (``Chat.tools``, the JSON list the chat template puts in
   the system message) are rendered by the package's own chat template, read by the runtime from its tokenizer files.
+- Threads: every session of a loaded model (decoder, embedding, vision, speech) computes with ``threads`` intra-op
+  threads, by default every CPU the process may use, set by an og.Config overlay at load (runtime/threads.py).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from builder_plugin.runtime.guidance import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Gui
 from builder_plugin.runtime.manifest import Manifest, mode_of
 from builder_plugin.runtime.media import check_audio, check_image, decoder_reason
 from builder_plugin.runtime.prompt import ASSISTANT, END, Turn, build_prompt, user_content, user_turn
+from builder_plugin.runtime.threads import thread_overlay
 from builder_plugin.runtime.tokens import MAX_TOP_LOGPROBS, TokenBytes, TokenLogprob, token_logprob
 
 GENAI_CONFIG_FILE = "genai_config.json"
@@ -174,9 +177,10 @@ class Chat:
 
     def __init__(self, package_dir: str | Path, max_length: int | None = None,
                  execution_provider: str | None = None, system: str | None = None,
-                 follow_up_room: int = FOLLOW_UP_ROOM) -> None:
+                 follow_up_room: int = FOLLOW_UP_ROOM, threads: int | None = None) -> None:
         self.package_dir = Path(package_dir).expanduser()
         self.execution_provider = execution_provider
+        self.threads = threads  # intra-op threads of every session; None: every CPU the process may use
         self.system = system
         self.follow_up_room = follow_up_room
         self.turns: list[Turn] = []
@@ -209,6 +213,10 @@ class Chat:
         except (ValueError, KeyError, TypeError) as exc:
             raise PackageError(f"cannot read the package configuration in {self.package_dir}: {exc}") from exc
         self.has_speech = bool(model.get("speech", {}).get("filename"))
+        try:
+            self._thread_overlay = thread_overlay(self.genai_config, threads)
+        except ValueError as exc:
+            raise PackageError(str(exc)) from exc
         if max_length is not None and not 0 < max_length <= self.context_length:
             raise PackageError(f"max_length must be between 1 and the context length {self.context_length}")
         self.max_length = max_length or configured
@@ -247,9 +255,10 @@ class Chat:
         if variant not in self._models:
             try:
                 config = og.Config(str(self.package_dir))
-                overlay: dict[str, Any] = {"search": {"max_length": self.max_length}}
+                overlay: dict[str, Any] = {"search": {"max_length": self.max_length},
+                                           "model": json.loads(json.dumps(self._thread_overlay))}
                 if variant != self.main_decoder:
-                    overlay["model"] = {"decoder": {"filename": variant}}
+                    overlay["model"].setdefault("decoder", {})["filename"] = variant
                 config.overlay(json.dumps(overlay))
                 if self.execution_provider is not None:
                     config.clear_providers()
@@ -640,7 +649,7 @@ def _with_ids(inputs: Any, ids: list[int]) -> Any:
 
 def generate(package_dir: str | Path, prompt: str, images: Sequence[str | Path] = (),
              audios: Sequence[str | Path] = (), max_new_tokens: int = 32, max_length: int | None = None,
-             execution_provider: str | None = None) -> Generation:
+             execution_provider: str | None = None, threads: int | None = None) -> Generation:
     """One raw generation with a fresh Chat (see Chat.generate)."""
-    chat = Chat(package_dir, max_length=max_length, execution_provider=execution_provider)
+    chat = Chat(package_dir, max_length=max_length, execution_provider=execution_provider, threads=threads)
     return chat.generate(prompt, images, audios, max_new_tokens)

@@ -40,6 +40,8 @@ def make_parser() -> argparse.ArgumentParser:
                    "up to the maximum length (default: %(default)s)")
     p.add_argument("-e", "--execution-provider", choices=EXECUTION_PROVIDERS, default=None,
                    help="run on this provider (default: the one the package was built for)")
+    p.add_argument("--threads", type=int, default=None, metavar="N",
+                   help="intra-op threads of every session (default: every CPU this process may use)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs and tracebacks")
     return p
 
@@ -77,7 +79,8 @@ def serve(args: argparse.Namespace) -> int:
     if args.max_tokens < 1:
         raise ValueError("--max-tokens must be at least 1")
     with interrupting_signals():  # stopped while loading: main() returns 130, nothing is left behind
-        chat = Chat(args.package, max_length=args.max_length, execution_provider=args.execution_provider)
+        chat = Chat(args.package, max_length=args.max_length, execution_provider=args.execution_provider,
+                    threads=args.threads)
         chat.load(chat.variant_for(has_image=False, has_audio=False))  # the first text request does not wait for it
         listener = socket.create_server((args.host, args.port))
         host, port = listener.getsockname()[:2]

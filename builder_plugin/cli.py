@@ -16,6 +16,7 @@ from builder_plugin.errors import BuildError, InputError
 from builder_plugin.extra_options import ALGO_CONFIGS, DEFAULT_ALGO_CONFIG, EXTRA_OPTIONS, check_extra_options
 from builder_plugin.layout import Component
 from builder_plugin.options import EXECUTION_PROVIDERS, LORA_CHOICES, PRECISIONS, BuildOptions
+from builder_plugin.units import human
 
 COMPONENT_ALIASES: dict[str, frozenset[Component]] = {
     "all": frozenset(Component),
@@ -229,21 +230,13 @@ def _run(args: argparse.Namespace) -> int:
 def _print_summary(result) -> None:
     width = max(len(name) for name, _ in result.files)
     for name, size in result.files:
-        print(f"  {name:<{width}}  {_human(size):>9}")
+        print(f"  {name:<{width}}  {human(size):>9}")
     built = ", ".join(c.value for c in result.components)
     quantized = (f" (quantization {result.quantize_seconds:.1f} s on {result.jobs} threads)"
                  if result.quantize_seconds else "")
-    print(f"built {built} in {result.seconds:.1f} s{quantized}, peak memory {_human(result.peak_rss_bytes)}, "
-          f"{len(result.files)} files, {_human(result.total_bytes)}")
+    print(f"built {built} in {result.seconds:.1f} s{quantized}, peak memory {human(result.peak_rss_bytes)}, "
+          f"{len(result.files)} files, {human(result.total_bytes)}")
     if result.runnable:
         print(f"package ready: {result.output_dir}")
     else:
         print(f"wrote {result.output_dir} (graphs only: onnxruntime-genai needs vision and text to run a package)")
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1000 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} GB"

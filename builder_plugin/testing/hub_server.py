@@ -99,7 +99,8 @@ class LocalHub:
 
     def __init__(self) -> None:
         self.repos: dict[str, HubRepo] = {}
-        self.log: list[LoggedRequest] = []
+        self._log: list[LoggedRequest] = []
+        self._answering = 0  # requests whose answer is being sent, not logged yet
         self._faults: list[_Fault] = []
         self._lock = threading.Lock()
         self._sockets: list[socket.socket] = []
@@ -148,7 +149,18 @@ class LocalHub:
 
     def clear_log(self) -> None:
         with self._lock:
-            self.log.clear()
+            self._log.clear()
+
+    @property
+    def log(self) -> list[LoggedRequest]:
+        """Every request so far. A client can read its whole answer before the server thread has logged it, so this
+        waits (up to 10 s) until no answer is still being sent."""
+        deadline = time.monotonic() + 10
+        while True:
+            with self._lock:
+                if self._answering == 0 or time.monotonic() > deadline:
+                    return list(self._log)
+            time.sleep(0.01)
 
     def downloads(self) -> list[str]:
         """Repository paths of the files whose bytes a GET sent (through a resolve URL or a storage redirect), in
@@ -218,6 +230,8 @@ class LocalHub:
                            headers, self._sockets[1].getsockname()[1] == scope["server"][1])
         sent = 0
         status = 500
+        with self._lock:
+            self._answering += 1
         try:
             response = self._route(request)
             status = response.status
@@ -248,8 +262,9 @@ class LocalHub:
                 await send({"type": "http.response.body", "body": b""})
         finally:
             with self._lock:
-                self.log.append(LoggedRequest(request.method, request.path, headers.get("range"), status, sent,
-                                              "authorization" in headers))
+                self._log.append(LoggedRequest(request.method, request.path, headers.get("range"), status, sent,
+                                               "authorization" in headers))
+                self._answering -= 1
 
     def _route(self, request: _Request) -> _Response:
         parts = request.path.strip("/").split("/")

@@ -102,7 +102,7 @@ def make_parser(prog: str = PROG) -> argparse.ArgumentParser:
     plg.add_argument("--dry-run", action="store_true",
                      help="resolve the model (local or hub), check the options and config, and print what would be "
                      "downloaded (files, sizes), what would be built and the expected package size; downloads no "
-                     "weights and writes no package")
+                     "weights and writes nothing (the Hugging Face cache included)")
     plg.add_argument("--jobs", type=int, default=None, metavar="N",
                      help="threads that quantize the weights (default: the cores this process may use)")
     plg.add_argument("--no-progress", action="store_true", help="no progress bars")

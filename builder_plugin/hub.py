@@ -160,6 +160,7 @@ class _HubModel:
         from huggingface_hub.file_download import repo_folder_name
 
         self.storage = self.cache_dir / repo_folder_name(repo_id=repo_id, repo_type="model")
+        self._scratch: Any = None  # a dry run's own cache (tempfile.TemporaryDirectory)
 
     @property
     def label(self) -> str:
@@ -167,6 +168,12 @@ class _HubModel:
 
     # --- opening: commit, config, metadata, weight list --------------------------------------------------------
     def open(self, light: bool = False) -> ModelSource:
+        """The source; `light` (a dry run) fetches only what tells what a build would be, into a temporary cache
+        that is dropped with this object, so the Hugging Face cache is left as it was."""
+        if light and not self.offline:
+            import tempfile
+
+            self._scratch = tempfile.TemporaryDirectory(prefix="phi4mm-dry-run-")
         if not self.offline:
             try:
                 self._resolve_online()
@@ -182,6 +189,7 @@ class _HubModel:
                              "run once online to download it")
         config = Path(self.download(CONFIG_FILE))
         folder = config.parent
+        cached = self.storage / "snapshots" / str(self.commit)  # = folder, but for a dry run
         model_type = _model_type(folder)
         if model_type not in (ORIGINAL_MODEL_TYPE, NATIVE_MODEL_TYPE):
             arch = (json.loads(config.read_text(encoding="utf-8")).get("architectures") or ["?"])[0]
@@ -194,16 +202,16 @@ class _HubModel:
         if model_type == NATIVE_MODEL_TYPE:
             essential |= {f"{d}/{ADAPTER_FILES[0]}" for d in NATIVE_ADAPTER_DIRS.values()}
             wanted += sorted(essential - {INDEX_FILE})
-        metadata = [SourceFile(CONFIG_FILE, config.stat().st_size, True)]
+        metadata = [SourceFile(CONFIG_FILE, config.stat().st_size, (cached / CONFIG_FILE).is_file())]
         for name in wanted:
             if not self._exists(name, folder):
                 continue
-            if light and name not in essential and not (folder / name).is_file():
+            if light and name not in essential and not (cached / name).is_file():
                 metadata.append(SourceFile(name, self.sizes.get(name), False))
                 continue
             path = Path(self.download(name))
-            metadata.append(SourceFile(name, path.stat().st_size, True))
-        weights = [self._weight(p, folder) for p in weight_files(folder, lambda p: self._exists(p, folder))]
+            metadata.append(SourceFile(name, path.stat().st_size, (cached / name).is_file()))
+        weights = [self._weight(p, cached) for p in weight_files(folder, lambda p: self._exists(p, folder))]
         missing = [w.path for w in weights if not w.cached]
         if self.offline and missing:
             raise InputError(f"{self.why_offline} and {self.label} is only partly in the cache "
@@ -221,7 +229,8 @@ class _HubModel:
         self.commit = info.sha
         self.sizes = {s.rfilename: s.size for s in info.siblings or [] if s.size is not None}
         self.lfs = {s.rfilename: s.lfs.sha256 for s in info.siblings or [] if s.lfs is not None}
-        if self.revision != self.commit:  # the cache layout's refs/<branch or tag>, so offline runs find the commit
+        # the cache layout's refs/<branch or tag>, so offline runs find the commit (a dry run writes nothing)
+        if self.revision != self.commit and self._scratch is None:
             ref = self.storage / "refs" / self.revision
             if not ref.is_file() or ref.read_text() != self.commit:
                 ref.parent.mkdir(parents=True, exist_ok=True)
@@ -252,8 +261,14 @@ class _HubModel:
         """A small file through huggingface_hub's own download (into the cache, or from it offline)."""
         from huggingface_hub import hf_hub_download
 
+        cache_dir = self.cache_dir
+        if self._scratch is not None:  # a dry run reads what the cache has and fetches the rest into its own
+            kept = self.storage / "snapshots" / str(self.commit) / path
+            if kept.is_file():
+                return str(kept)
+            cache_dir = Path(self._scratch.name)
         return self._call(lambda: hf_hub_download(self.repo_id, path, revision=self.commit,
-                                                  cache_dir=str(self.cache_dir), endpoint=self.endpoint,
+                                                  cache_dir=str(cache_dir), endpoint=self.endpoint,
                                                   local_files_only=self.offline), what=path)
 
     def fetch(self, files: list[SourceFile]) -> None:

@@ -55,7 +55,7 @@ class Plan:
         lines.append(f"  decoder layout: --lora {o.lora}: {decoder_layout(o)}")
         lines.append(f"  quantization: {quantization(o)}")
         lines.append(f"expected package size: about {human(self.package_bytes)} in {o.output_dir}")
-        lines.append("dry run: no weights downloaded, no package written")
+        lines.append("dry run: no weights downloaded, nothing written")
         return "\n".join(lines)
 
 

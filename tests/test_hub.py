@@ -287,8 +287,12 @@ def test_dry_run_against_the_hub_prints_the_plan_and_downloads_no_weight(hub: Lo
     from builder_plugin.units import human
 
     hub.clear_log()
+    cache = tmp_path / "cache"  # in_process's -c
+    before = sorted(p.relative_to(cache) for p in cache.rglob("*")) if cache.exists() else []
     result = in_process("-m", REPO, "-o", str(tmp_path / "out"), "--dry-run", "--lora", "split")
     assert result.returncode == 0, result.stderr
+    after = sorted(p.relative_to(cache) for p in cache.rglob("*")) if cache.exists() else []
+    assert after == before  # the dry run's metadata went to a temporary cache of its own
     for name in shards(tiny_checkpoint):
         assert f"{name}  {human((tiny_checkpoint / name).stat().st_size)}" in result.stdout
     assert "vision, speech, embedding, decoder" in result.stdout and "one decoder file per input mode" in result.stdout

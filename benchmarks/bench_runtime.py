@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="Markdown file whose 'Machine' and 'Run time' sections are rewritten ('' to skip)")
     args = parser.parse_args(argv)
     if args.threads is None:
-        from builder_plugin.runtime.threads import available_cpus
+        from builder_plugin.cpus import available_cpus
 
         args.threads = available_cpus()
     if args.from_json:

@@ -166,7 +166,7 @@ def run_worker(job: dict[str, Any], lock: str | None) -> dict[str, Any]:
 # ---- the run ------------------------------------------------------------------------------------------------------
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from builder_plugin.runtime.threads import available_cpus, genai_default_threads
+    from builder_plugin.cpus import available_cpus, genai_default_threads
 
     image = None
     if args.image:

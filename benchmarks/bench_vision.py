@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.threads is None:
-        from builder_plugin.runtime.threads import available_cpus
+        from builder_plugin.cpus import available_cpus
 
         args.threads = available_cpus()
     torch.set_num_threads(args.threads)

@@ -62,7 +62,7 @@ def cpu_session(path: str | Path, threads: int | None = None) -> Any:
     the packages' sessions get them; onnxruntime imported on first use)."""
     import onnxruntime as ort
 
-    from builder_plugin.runtime.threads import available_cpus
+    from builder_plugin.cpus import available_cpus
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads or available_cpus()

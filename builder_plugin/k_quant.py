@@ -15,7 +15,6 @@ threads share the weight instead of copying it to other processes.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -29,14 +28,6 @@ CHUNK_BLOCKS = 8192
 STEPS = 20
 RDELTA = 0.1
 RRMIN = -1
-
-
-def default_jobs() -> int:
-    """The cores this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 class _Scratch(threading.local):

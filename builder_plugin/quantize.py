@@ -30,10 +30,11 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
+from builder_plugin.cpus import available_cpus
 from builder_plugin.dtypes import DTYPES, GRAPH_FLOATS
 from builder_plugin.extra_options import METHODS
 from builder_plugin.graph import MS_DOMAIN
-from builder_plugin.k_quant import BlockPool, default_jobs, k_quant_chunk
+from builder_plugin.k_quant import BlockPool, k_quant_chunk
 
 BITS_CHOICES: tuple[int, ...] = (4, 8)
 # Float bytes quantized per slab when a weight can be produced column range by column range. k_quant's search keeps
@@ -292,7 +293,7 @@ class QuantStats:
     """The threads k-quant runs on (`jobs`, default: the cores this process may use) and the quantization time."""
 
     def __init__(self, jobs: int | None = None) -> None:
-        self.jobs = jobs or default_jobs()
+        self.jobs = jobs or available_cpus()
         self.seconds = 0.0
         self.weights = 0
         self._pool: BlockPool | None = None

@@ -23,6 +23,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from builder_plugin.cpus import available_cpus
 from builder_plugin.layout import Component
 
 THREADS_KEY = "intra_op_num_threads"
@@ -31,14 +32,6 @@ NO_SPINNING = "0"
 # Sections the runtime creates sessions for; the decoder's session_options are the others' fallback.
 SESSION_SECTIONS = (Component.DECODER.value, Component.EMBEDDING.value, Component.VISION.value,
                     Component.SPEECH.value)
-
-
-def available_cpus() -> int:
-    """CPUs this process may run on (its affinity mask), at least 1."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):  # no affinity API (macOS, Windows)
-        return max(1, os.cpu_count() or 1)
 
 
 def genai_default_threads() -> int:

@@ -340,24 +340,17 @@ class Chat:
     def tool_call_ids(self, variant: str | None = None) -> tuple[int, int] | None:
         """The ids of the call markers (<|tool_call|>, <|/tool_call|>) in the package's tokenizer; None when it has
         no such tokens (each must be one token)."""
-        ids = {text: token for token, text in self._load(variant or self.next_variant()).markers().items()}
-        return (ids[TOOL_CALL_OPEN], ids[TOOL_CALL_CLOSE]) if len(ids) == 2 else None
+        return _marker_ids(self._load(variant or self.next_variant()))
 
     def tool_guidance(self, functions: Sequence[tuple[str, dict[str, Any]]], single: bool) -> Guidance:
         """The grammar of a call block naming only `functions` ((name, parameters schema) pairs)."""
-        ids = self.tool_call_ids()
-        if ids is None:
-            raise ToolsNotSupportedError("this package's tokenizer has no tool-call tokens "
-                                         f"({TOOL_CALL_OPEN}, {TOOL_CALL_CLOSE}), so it cannot call tools")
-        return tool_call_grammar(*ids, functions, single)
+        return tool_call_grammar(*_required_marker_ids(self._load(self.next_variant())), functions, single)
 
     def _header(self, loaded: _Loaded) -> str | None:
         """The system message with the tools, rendered by the package's chat template; None without tools."""
         if self.tools is None:
             return None
-        if self.tool_call_ids() is None:
-            raise ToolsNotSupportedError("this package's tokenizer has no tool-call tokens "
-                                         f"({TOOL_CALL_OPEN}, {TOOL_CALL_CLOSE}), so it cannot call tools")
+        _required_marker_ids(loaded)
         # The runtime's template engine parses the tools and prints them back Python-style (['a'] for ["a"]), where
         # the original template concatenates the text as given: render sentinels, then put the texts in their place.
         message = {"role": "system", "content": _SYSTEM_SENTINEL, "tools": json.dumps(_TOOLS_SENTINEL)}
@@ -639,6 +632,20 @@ def _with_answer_ids(ids: list[int], turns: Sequence[Turn], loaded: _Loaded) -> 
         out += ids[done:start] + list(turn.answer_ids)
         done = stop
     return out + ids[done:]
+
+
+def _marker_ids(loaded: _Loaded) -> tuple[int, int] | None:
+    """The ids of <|tool_call|> and <|/tool_call|> in `loaded`'s tokenizer, or None."""
+    ids = {text: token for token, text in loaded.markers().items()}
+    return (ids[TOOL_CALL_OPEN], ids[TOOL_CALL_CLOSE]) if len(ids) == 2 else None
+
+
+def _required_marker_ids(loaded: _Loaded) -> tuple[int, int]:
+    ids = _marker_ids(loaded)
+    if ids is None:
+        raise ToolsNotSupportedError("this package's tokenizer has no tool-call tokens "
+                                     f"({TOOL_CALL_OPEN}, {TOOL_CALL_CLOSE}), so it cannot call tools")
+    return ids
 
 
 def _with_ids(inputs: Any, ids: list[int]) -> Any:

@@ -28,10 +28,11 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ from builder_plugin.runtime.errors import (
     first_line,
 )
 from builder_plugin.runtime.guidance import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Guidance, tool_call_grammar
+from builder_plugin.runtime.kv_cache import kv_bytes_per_token
 from builder_plugin.runtime.manifest import Manifest, mode_of
 from builder_plugin.runtime.media import check_audio, check_image, decoder_reason
 from builder_plugin.runtime.prompt import ASSISTANT, END, Turn, build_prompt, user_content, user_turn
@@ -167,7 +169,8 @@ class _Request:
     max_length: int  # of a new generator
     prompt_tokens: int
     inputs: Any = None  # processor tensors for a new generator
-    append: list[int] | None = None  # ids to append to the kept generator instead
+    append: list[int] | None = None  # ids to append to the kept generator instead, after its first `keep` ids
+    keep: int = 0
     guidance: Guidance | None = None
     logprobs: int | None = None  # record the log-probability of each token and this many alternatives
 
@@ -197,6 +200,8 @@ class Chat:
         self._models: dict[str, _Loaded] = {}
         self._live: _Live | None = None
         self._answers: OrderedDict[tuple, tuple[int, ...]] = OrderedDict()  # (system, turns so far) -> answer ids
+        # Called with a new generator's length (KV positions) before it is allocated: a server frees others first
+        self.before_new_generator: Callable[[int], None] | None = None
 
         config_path = self.package_dir / GENAI_CONFIG_FILE
         if not self.package_dir.is_dir():
@@ -213,6 +218,10 @@ class Chat:
         except (ValueError, KeyError, TypeError) as exc:
             raise PackageError(f"cannot read the package configuration in {self.package_dir}: {exc}") from exc
         self.has_speech = bool(model.get("speech", {}).get("filename"))
+        try:
+            self.kv_bytes_per_token = kv_bytes_per_token(self.genai_config, self.manifest.builder)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise PackageError(f"cannot read the decoder's shape in {config_path}: {exc}") from exc
         try:
             self._thread_overlay = thread_overlay(self.genai_config, threads)
         except ValueError as exc:
@@ -284,6 +293,19 @@ class Chat:
         self.turns.clear()
         self._drop_live()
 
+    def sibling(self) -> Chat:
+        """A new, empty conversation on the same package, options and loaded models (a server keeps several)."""
+        other = copy.copy(self)
+        other.turns, other.system, other.tools, other._live = [], None, None, None
+        other.last_stats, other.last_logits, other.last_logprobs = None, [], []
+        return other
+
+    @property
+    def kv_tokens(self) -> int:
+        """Positions of KV cache the kept generator holds (allocated for its whole length), 0 without one."""
+        live = self._live
+        return live.max_length if live is not None and live.generator is not None else 0
+
     def release(self) -> None:
         """Free the kept generator and its KV cache; the conversation stays, and its next question is prefilled
         whole (what an app may do while a conversation is idle)."""
@@ -291,7 +313,10 @@ class Chat:
 
     def restore(self, turns: Sequence[Turn]) -> None:
         """Make `turns` (answered questions) the conversation so far, as if they had been asked here; the next
-        question is answered after them. Restoring the conversation already held keeps its generator."""
+        question is answered after them. Restoring the conversation already held keeps its generator, and so does
+        restoring its first turns: a next question that edits a later one, or asks the next one again, rewinds the
+        generator to what they share (unless that drops media, or rewinds a LongRoPE-recomputed cache below the
+        switch)."""
         turns = list(turns)
         if any(t.assistant is None for t in turns):
             raise ValueError("restored turns must all be answered")
@@ -301,8 +326,10 @@ class Chat:
             if turn.answer_ids is None:
                 ids = self._answers.get((self.system, self.tools, tuple(turns[:i + 1])))
                 turns[i] = replace(turn, answer_ids=ids) if ids is not None else turn
+        live = self._live
         self.turns = turns
-        self._drop_live()
+        if live is None or live.turns[:len(turns)] != turns:
+            self._drop_live()  # else the next question may rewind the generator to the turns it shares
 
     def ask(self, text: str, images: Sequence[str | Path] = (), audios: Sequence[str | Path] = (),
             max_new_tokens: int = 256, sampling: Sampling | None = None, guidance: Guidance | None = None,
@@ -386,27 +413,57 @@ class Chat:
 
     def _follow_up(self, turn: Turn, max_new_tokens: int, sampling: Sampling,
                    guidance: Guidance | None = None) -> _Request | None:
-        """A request that extends the kept generator (or restarts from its token ids), or None for a new prompt."""
+        """A request that extends the kept generator, rewound to what it shares with the conversation (or restarts
+        from its token ids), or None for a new prompt."""
         live = self._live
-        if turn.images or turn.audios or live is None or live.turns != self.turns or live.sampling != sampling:
+        if live is None or live.sampling != sampling or live.turns[:len(self.turns)] != self.turns:
             return None
         started = time.perf_counter()
         ids = live.token_ids()
-        tokenizer = live.loaded.tokenizer
-        prefix = "" if ids and ids[-1] == live.loaded.end_id else END  # an answer cut short gets its end
-        new = [int(t) for t in tokenizer.encode(prefix + user_turn(user_content(turn), turn.role))]
-        total = len(ids) + len(new)
+        shared = self._shared_ids(live, ids, turn)
+        if shared is None:
+            return None
+        keep, asked_again = shared
+        new: list[int] = []
+        if not asked_again:
+            prefix = "" if live.loaded.end_id == ids[keep - 1] else END  # an answer cut short gets its end
+            new = [int(t) for t in live.loaded.tokenizer.encode(prefix + user_turn(user_content(turn), turn.role))]
+        total = keep + len(new)
         if total >= self.max_length:
             raise PromptTooLongError(f"the conversation is {total} tokens but the maximum length is "
                                      f"{self.max_length}")
         switch = self.manifest.original_max_position_embeddings
+        if switch is not None and live.long_factors and total <= switch:
+            return None  # rewound below the switch: its keys have the long factors, a fresh prompt the short ones
         crosses = switch is not None and not live.long_factors and total > switch
         if total + max_new_tokens <= live.max_length and not crosses and guidance is None and not live.guided:
-            return _Request(live.variant, live.loaded, started, sampling, live.max_length, total, append=new)
+            return _Request(live.variant, live.loaded, started, sampling, live.max_length, total, append=new,
+                            keep=keep)
         # Restart over the same ids: more room, or a prompt past the LongRoPE switch (all keys with long factors).
-        inputs = _with_ids(live.inputs, ids + new)
+        inputs = _with_ids(live.inputs, ids[:keep] + new)
         return _Request(live.variant, live.loaded, started, sampling, self._size(total, max_new_tokens), total,
                         inputs=inputs)
+
+    def _shared_ids(self, live: _Live, ids: list[int], turn: Turn) -> tuple[int, bool] | None:
+        """How many of the kept generator's ids the conversation with `turn` next starts with, and whether `turn`
+        asks again the question those ids end with; None when it shares too little to reuse them.
+
+        The conversation's turns are the first of the turns the generator holds (``restore``). `turn` follows them
+        after the last one's answer, or, when it asks the next held question again (an answer regenerated), right
+        after that question. Media must all be in the kept ids: new media need a new generator, and so do media only
+        the dropped turns had (the generator's processor tensors hold them)."""
+        held = len(self.turns)
+        if held == len(live.turns):
+            return None if turn.images or turn.audios else (len(ids), False)
+        dropped = live.turns[held:]
+        again = _question(dropped[0]) == _question(turn)
+        if any(t.images or t.audios for t in dropped[1 if again else 0:]) or (not again and (turn.images or
+                                                                                                turn.audios)):
+            return None
+        marks = _turn_marks(ids, live.loaded, len(live.turns))
+        if marks is None or (not again and held == 0):
+            return None
+        return (marks[held][0], True) if again else (marks[held - 1][1], False)
 
     def _answer(self, request: _Request, max_new_tokens: int, turn: Turn) -> Iterator[str]:
         pieces: list[str] = []
@@ -505,6 +562,8 @@ class Chat:
     def _start(self, request: _Request, inputs: Any) -> _Live:
         """A new generator prefilled with `inputs`."""
         loaded = request.loaded
+        if self.before_new_generator is not None:
+            self.before_new_generator(request.max_length)
         params = og.GeneratorParams(loaded.model)
         params.set_search_options(max_length=request.max_length, **request.sampling.search_options())
         if request.guidance is not None:
@@ -522,14 +581,14 @@ class Chat:
         return _Live(request.variant, loaded, generator, inputs, request.max_length, request.sampling,
                      long_factors=switch is not None and tokens > switch, guided=request.guidance is not None)
 
-    def _extend(self, live: _Live, ids: list[int]) -> None:
-        """Prefill `ids` after the kept generator's sequence. Its last id was sampled but not yet run; it is run
-        with the new ids (the runtime's own append after a generated token does not match a prefill of the same
-        ids, so the sequence is rewound by that one id and the id appended again)."""
+    def _extend(self, live: _Live, keep: int, ids: list[int]) -> None:
+        """Prefill `ids` after the first `keep` ids of the kept generator's sequence. The last kept id is run again
+        with the new ids: after an answer it was sampled but not yet run (the runtime's own append after a generated
+        token does not match a prefill of the same ids), and a question asked again needs its logits."""
         sequence = live.token_ids()
         try:
-            live.generator.rewind_to(len(sequence) - 1)
-            live.generator.append_tokens(np.array([sequence[-1], *ids], dtype=np.int32))
+            live.generator.rewind_to(keep - 1)
+            live.generator.append_tokens(np.array([sequence[keep - 1], *ids], dtype=np.int32))
         except RuntimeError as exc:
             raise ChatError(f"the model failed on the question ({live.variant}): {first_line(exc)}") from exc
 
@@ -537,8 +596,9 @@ class Chat:
         reused = 0
         if request.append is not None and self._live is not None:
             live = self._live
-            reused = request.prompt_tokens - len(request.append) - 1  # the last kept id runs again with the new ones
-            self._extend(live, request.append)
+            reused = request.keep - 1  # the last kept id runs again with the new ones
+            live.turns = list(self.turns)
+            self._extend(live, request.keep, request.append)
         else:
             if keep:
                 self._drop_live()  # free the old cache before allocating the new one
@@ -632,6 +692,25 @@ def _with_answer_ids(ids: list[int], turns: Sequence[Turn], loaded: _Loaded) -> 
         out += ids[done:start] + list(turn.answer_ids)
         done = stop
     return out + ids[done:]
+
+
+def _question(turn: Turn) -> Turn:
+    return replace(turn, assistant=None, answer_ids=None)
+
+
+def _turn_marks(ids: list[int], loaded: _Loaded, count: int) -> list[tuple[int, int]] | None:
+    """Per answered turn in `ids`, where its question ends (after <|assistant|>) and where its answer ends (after
+    the <|end|> that closes it, or the end of `ids` for a last answer cut short); None unless `ids` holds exactly
+    `count` questions."""
+    starts = [i + 1 for i, t in enumerate(ids) if t == loaded.assistant_id]
+    if len(starts) != count:
+        return None
+    marks = []
+    for i, start in enumerate(starts):
+        limit = starts[i + 1] if i + 1 < count else len(ids)
+        ends = [j + 1 for j in range(start, limit) if ids[j] == loaded.end_id]
+        marks.append((start, ends[0] if ends else limit))
+    return marks
 
 
 def _marker_ids(loaded: _Loaded) -> tuple[int, int] | None:

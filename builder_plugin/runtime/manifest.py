@@ -8,8 +8,9 @@
   recomputes the whole cache once when a generation grows past it; the runtime does not do so for phi4mm, so
   `builder_plugin.runtime.Chat` does.
 - ``source``: where the checkpoint came from: ``repository``, ``revision`` and the ``commit`` downloaded (and the hub
-  ``endpoint``), or ``local_folder``. ``builder``: the builder's ``name``, ``version`` and ``options``. Readers ignore
-  both; a graphs-only package (no runnable decoder) has a manifest with just these two.
+  ``endpoint``), or ``local_folder``. ``builder``: the builder's ``name``, ``version`` and ``options`` (the run time
+  reads the precision and provider from them: the KV cache's dtype). A graphs-only package (no runnable decoder) has
+  a manifest with just these two.
 
 Packages without the file (older builds) are read from their files: the split layout by its decoder names, anything
 else as one fixed decoder, and no LongRoPE recompute.
@@ -63,7 +64,9 @@ class Manifest:
         if data.get("routing") not in ROUTINGS:
             raise ValueError(f"{MANIFEST_FILE}: 'routing' must be one of {', '.join(ROUTINGS)}")
         switch = data.get("original_max_position_embeddings")
-        return cls({m: str(decoders[m]) for m in MODES}, data["routing"], int(switch) if switch else None)
+        builder = data.get("builder") if isinstance(data.get("builder"), dict) else None
+        return cls({m: str(decoders[m]) for m in MODES}, data["routing"], int(switch) if switch else None,
+                   builder=builder)
 
 
 def provenance_json(source: dict[str, Any] | None, builder: dict[str, Any] | None) -> dict[str, Any]:

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import socket
 import sys
 from collections.abc import Sequence
 
 from builder_plugin import __version__
+from builder_plugin.serve import defaults
 
 EXECUTION_PROVIDERS = ("cpu", "cuda", "dml", "webgpu")
-DEFAULT_MAX_TOKENS = 1024  # at ~10 tokens/s (full-size int4 on a CPU) an answer ends within two minutes
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -22,8 +23,18 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000,
                    help="port to listen on; 0 picks a free one (default: %(default)s)")
-    p.add_argument("--max-queue", type=int, default=16, metavar="N",
-                   help="requests that may wait while one is answered; more get 429 (default: %(default)s)")
+    p.add_argument("--max-queue", type=int, default=defaults.MAX_QUEUE, metavar="N",
+                   help="requests that may wait for a conversation to answer in; more get 429 (default: %(default)s)")
+    p.add_argument("--max-conversations", type=int, default=defaults.MAX_CONVERSATIONS, metavar="N",
+                   help="conversations kept with their KV caches, and answered at once, taking turns "
+                   "(default: %(default)s)")
+    p.add_argument("--kv-budget-gb", type=float, default=None, metavar="GB",
+                   help="KV cache the kept conversations may hold; the least recently used is released first "
+                   "(default: half the memory available once the model is loaded, at most --max-conversations "
+                   "conversations of --max-length)")
+    p.add_argument("--drain-seconds", type=float, default=defaults.DRAIN_SECONDS, metavar="S",
+                   help="on SIGTERM, SIGINT or SIGHUP: how long answers in progress may go on before they end "
+                   "with finish_reason \"length\"; new requests get 503 at once (default: %(default)s)")
     p.add_argument("--max-body-mb", type=float, default=32, metavar="N",
                    help="largest request body in MB; larger ones get 413 (default: %(default)s)")
     p.add_argument("--allow-local-files", action="store_true",
@@ -35,7 +46,7 @@ def make_parser() -> argparse.ArgumentParser:
                    help="size the media cache is kept under, in MB (default: %(default)s)")
     p.add_argument("--max-length", type=int, default=None,
                    help="longest conversation in tokens, prompt included (default: the package's search.max_length)")
-    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
+    p.add_argument("--max-tokens", type=int, default=defaults.MAX_TOKENS, metavar="N",
                    help="longest answer of a request without max_tokens; a request may ask for less, or for more "
                    "up to the maximum length (default: %(default)s)")
     p.add_argument("-e", "--execution-provider", choices=EXECUTION_PROVIDERS, default=None,
@@ -65,6 +76,7 @@ def serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from builder_plugin.serve.app import MB, Server
+        from builder_plugin.serve.pool import GB
         from builder_plugin.serve.shutdown import StoppableServer, interrupting_signals
     except ImportError as exc:
         raise RuntimeError(f"{exc.name} is missing: install the serve extra (pip install -e \".[serve]\")") from None
@@ -78,6 +90,12 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError("--max-body-mb and --media-cache-mb must be positive")
     if args.max_tokens < 1:
         raise ValueError("--max-tokens must be at least 1")
+    if args.max_conversations < 1:
+        raise ValueError("--max-conversations must be at least 1")
+    if args.kv_budget_gb is not None and args.kv_budget_gb <= 0:
+        raise ValueError("--kv-budget-gb must be positive")
+    if args.drain_seconds < 0:
+        raise ValueError("--drain-seconds must not be negative")
     with interrupting_signals():  # stopped while loading: main() returns 130, nothing is left behind
         chat = Chat(args.package, max_length=args.max_length, execution_provider=args.execution_provider,
                     threads=args.threads)
@@ -86,11 +104,16 @@ def serve(args: argparse.Namespace) -> int:
         host, port = listener.getsockname()[:2]
         cache = MediaCache(args.media_cache, int(args.media_cache_mb * MB))
         try:
+            budget = int(args.kv_budget_gb * GB) if args.kv_budget_gb is not None else None
             routes = Server(chat, cache, max_queue=args.max_queue, max_body_bytes=int(args.max_body_mb * MB),
-                            allow_local_files=args.allow_local_files, max_tokens=args.max_tokens)
+                            allow_local_files=args.allow_local_files, max_tokens=args.max_tokens,
+                            max_conversations=args.max_conversations, kv_budget_bytes=budget)
             server = StoppableServer(uvicorn.Config(routes.app(), log_level="debug" if args.verbose else "info",
-                                                    timeout_graceful_shutdown=5))
+                                                    timeout_graceful_shutdown=args.drain_seconds + 5))
+            server.on_stop = functools.partial(routes.worker.drain, args.drain_seconds)
             print(f"serving {routes.model_id} at http://{host}:{port}/v1", flush=True)
+            print(f"up to {routes.pool.max_conversations} conversations at once, their KV caches kept under "
+                  f"{routes.pool.kv_budget_bytes / GB:.2f} GB", flush=True)
             server.run(sockets=[listener])
         finally:
             cache.close()  # also done by the app's shutdown; here too in case it did not run

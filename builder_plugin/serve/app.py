@@ -1,4 +1,5 @@
-"""The ASGI app: /v1/chat/completions (JSON or server-sent events), /v1/models and /health, in front of one Worker."""
+"""The ASGI app: /v1/chat/completions (JSON or server-sent events), /v1/models and /health, in front of one Worker
+that answers in the kept conversations of a ConversationPool."""
 
 from __future__ import annotations
 
@@ -20,8 +21,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from builder_plugin.runtime import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Chat, TokenLogprob
+from builder_plugin.serve import defaults
 from builder_plugin.serve.errors import ApiError
 from builder_plugin.serve.media import MediaCache, MediaReader
+from builder_plugin.serve.pool import ConversationPool, available_memory, default_kv_budget
 from builder_plugin.serve.protocol import ChatCompletionRequest, Reply, parse_conversation, parse_request, usage
 from builder_plugin.serve.tools import stream_deltas
 from builder_plugin.serve.worker import Event, Failed, Finished, Job, Piece, Started, ToolCalls, Worker
@@ -36,17 +39,22 @@ class ClientGone(Exception):
 
 
 class Server:
-    """The routes and the state they share: the Chat behind one Worker, the media cache and the limits."""
+    """The routes and the state they share: the Chat (and its siblings in the pool) behind one Worker, the media
+    cache and the limits. `kv_budget_bytes` None: the pool's default (pool.default_kv_budget)."""
 
-    def __init__(self, chat: Chat, media_cache: MediaCache, *, model_id: str | None = None, max_queue: int = 16,
-                 max_body_bytes: int = 32 * MB, allow_local_files: bool = False, max_tokens: int | None = None) -> None:
+    def __init__(self, chat: Chat, media_cache: MediaCache, *, model_id: str | None = None,
+                 max_queue: int = defaults.MAX_QUEUE, max_body_bytes: int = 32 * MB, allow_local_files: bool = False,
+                 max_tokens: int | None = None,
+                 max_conversations: int = defaults.MAX_CONVERSATIONS, kv_budget_bytes: int | None = None) -> None:
         self.chat = chat
         self.model_id = model_id or Path(chat.package_dir).resolve().name
         self.media_cache = media_cache
         self.max_body_bytes = max_body_bytes
         self.allow_local_files = allow_local_files
         self.max_tokens = max_tokens  # of a request without max_tokens (None: up to the maximum length)
-        self.worker = Worker(chat, max_queue)
+        budget = kv_budget_bytes or default_kv_budget(chat, max_conversations, available_memory())
+        self.pool = ConversationPool(chat, max_conversations, budget)
+        self.worker = Worker(self.pool, max_queue)
 
     def app(self) -> Starlette:
         @contextlib.asynccontextmanager
@@ -72,7 +80,10 @@ class Server:
 
     async def health(self, _: Request) -> Response:
         return JSONResponse({"status": "ok", "model": self.model_id, "busy": self.worker.busy,
-                             "waiting": self.worker.waiting, "max_queue": self.worker.max_queue})
+                             "answering": self.worker.answering, "waiting": self.worker.waiting,
+                             "max_queue": self.worker.max_queue, "conversations": self.pool.live_conversations,
+                             "max_conversations": self.pool.max_conversations, "kv_bytes": self.pool.kv_bytes,
+                             "kv_budget_bytes": self.pool.kv_budget_bytes})
 
     async def models(self, _: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_card()]})

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 
 import uvicorn
@@ -39,6 +39,7 @@ class StoppableServer(uvicorn.Server):
     caller's cleanup runs; here `run` returns and `stopped_by` names the signal."""
 
     stopped_by: signal.Signals | None = None
+    on_stop: Callable[[], None] | None = None  # called once, at the first stop signal (the worker's drain)
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -53,5 +54,7 @@ class StoppableServer(uvicorn.Server):
                 signal.signal(s, handler)
 
     def _stop(self, signum: int, frame: FrameType | None) -> None:
+        if self.stopped_by is None and self.on_stop is not None:
+            self.on_stop()
         self.stopped_by = self.stopped_by or signal.Signals(signum)
         self.handle_exit(signum, frame)  # a second Ctrl-C forces the exit, as in uvicorn

@@ -1,20 +1,25 @@
-"""One thread owns the Chat and answers queued requests one at a time (the runtime runs phi4mm with batch size 1).
+"""One thread owns the Chats and answers the requests, time-sliced: the runtime runs phi4mm with batch size 1, so the
+answers in progress take turns on it, a prefill or a few tokens each, and a request that arrives while a long answer
+streams waits for at most one token of each answer in progress before its own prefill.
 
 Each request is a Job; the worker reports to it through `emit` (called on the worker thread) with Started, Piece,
-Finished or Failed events, so no request ever sees another's tokens."""
+Finished or Failed events, so no request ever sees another's tokens. Each answer in progress has a conversation of
+its own in the ConversationPool (its generator), up to the pool's size; more requests wait in the queue."""
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
-from collections.abc import Callable
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from builder_plugin import runtime
-from builder_plugin.runtime import Chat, Guidance, Sampling, TokenLogprob
+from builder_plugin.runtime import Guidance, Sampling, TokenLogprob
 from builder_plugin.serve.errors import ApiError, queue_full, server_error, shutting_down
+from builder_plugin.serve.pool import ConversationPool, Slot
 from builder_plugin.serve.protocol import Conversation
 from builder_plugin.serve.stop import StopScanner
 from builder_plugin.serve.tools import CallScanner, Tools
@@ -67,81 +72,147 @@ class Job:
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
-        """Stop answering (client gone): skipped if still queued, stopped at the next token if running."""
+        """Stop answering (client gone): skipped if still queued, stopped at its next turn if running."""
         self.cancelled.set()
 
 
+TOKENS_PER_TURN = 8  # an answer's turn ends sooner when a request is waiting for its prefill
+
+
+@dataclass
+class _Answering:
+    """An answer in progress: its job, the conversation it runs in, and what its stream has seen so far."""
+
+    job: Job
+    slot: Slot
+    pieces: Iterator[str]
+    tools: Tools | None
+    stops: StopScanner
+    calls: CallScanner | None
+    sent: int = 0  # log-probabilities sent so far
+    tokens: int = 0
+
+
 class Worker:
-    def __init__(self, chat: Chat, max_queue: int) -> None:
+    def __init__(self, pool: ConversationPool, max_queue: int) -> None:
         if max_queue < 1:
             raise ValueError("max_queue must be at least 1")
-        self.chat = chat
+        self.pool = pool
         self.max_queue = max_queue
-        self._jobs: queue.Queue[Job | None] = queue.Queue(maxsize=max_queue)
-        self._current: Job | None = None
-        self._stopping = threading.Event()
+        self._waiting: deque[Job] = deque()
+        self._answering: list[_Answering] = []
+        self._beginning = 0  # requests whose prompt is being prepared (not yet in _answering)
+        self._lock = threading.Condition()
+        self._stopping = False
+        self._drain_deadline: float | None = None  # answers in progress after it end with finish_reason "length"
         self._thread = threading.Thread(target=self._run, name="chat-worker", daemon=True)
 
     @property
     def waiting(self) -> int:
-        return self._jobs.qsize()
+        return len(self._waiting)
+
+    @property
+    def answering(self) -> int:
+        """Requests being answered (their prompt prepared, prefilled or generated)."""
+        return len(self._answering) + self._beginning
 
     @property
     def busy(self) -> bool:
-        return self._current is not None
+        return self.answering > 0
 
     def start(self) -> None:
         self._thread.start()
 
     def submit(self, job: Job) -> None:
-        """Queue `job`; raises ApiError 429 when `max_queue` requests are already waiting."""
-        if self._stopping.is_set():
-            raise shutting_down()
-        try:
-            self._jobs.put_nowait(job)
-        except queue.Full:
-            raise queue_full(self.max_queue) from None
+        """Queue `job`; raises ApiError 429 when `max_queue` requests are already waiting, 503 when stopping."""
+        with self._lock:
+            if self._stopping:
+                raise shutting_down()
+            if len(self._waiting) >= self.max_queue:
+                raise queue_full(self.max_queue)
+            self._waiting.append(job)
+            self._lock.notify()
+
+    def drain(self, grace_s: float) -> None:
+        """Take no more requests, fail the waiting ones (503), and let the answers in progress go on for up to
+        `grace_s` seconds; those still running then end as if cut by their token limit (finish_reason "length")."""
+        with self._lock:
+            self._stopping = True
+            deadline = time.monotonic() + grace_s
+            self._drain_deadline = min(deadline, self._drain_deadline or deadline)
+            waiting, self._waiting = list(self._waiting), deque()
+            self._lock.notify()
+        for job in waiting:
+            job.emit(Failed(shutting_down()))
 
     def stop(self) -> None:
-        """Fail the waiting jobs, stop the running one at its next token, and end the thread."""
-        self._stopping.set()
-        if self._current is not None:
-            self._current.cancel()
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                job.emit(Failed(shutting_down()))
-        self._jobs.put(None)
+        """End every answer now (see drain) and the thread, and free the kept conversations."""
+        self.drain(0)
         if self._thread.is_alive():
             self._thread.join(timeout=30)
+        self.pool.close()
+
+    # ---- the scheduling loop -------------------------------------------------------------------------------------
 
     def _run(self) -> None:
         while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            if job.cancelled.is_set():
-                continue
-            self._current = job
+            with self._lock:
+                while not self._answering and not self._waiting and not self._stopping:
+                    self._lock.wait()
+                if self._stopping and not self._answering and not self._waiting:
+                    return
+            self._admit()
+            for answering in list(self._answering):
+                try:
+                    done = self._turn(answering)
+                except Exception as exc:  # a bug here must not stop the worker: the other requests are served
+                    log.exception("request failed")
+                    answering.job.emit(Failed(server_error(f"internal error: {type(exc).__name__}: {exc}")))
+                    done = True
+                if done:
+                    self._end(answering)
+
+    def _admit(self) -> None:
+        """Start the waiting requests that have a conversation to run in (and room in the KV budget)."""
+        while True:
+            with self._lock:
+                while self._waiting and self._waiting[0].cancelled.is_set():
+                    self._waiting.popleft()
+                if not self._waiting:
+                    return
+                if self._answering and self.pool.busy_kv_bytes >= self.pool.kv_budget_bytes:
+                    return  # the answers in progress fill the budget: the next one waits for one to end
+                job = self._waiting[0]
+                conversation = job.conversation
+                slot = self.pool.acquire(conversation.system, _tools_text(job), conversation.history,
+                                         conversation.question)
+                if slot is None:
+                    return
+                self._waiting.popleft()
+                self._beginning += 1
             try:
-                self._answer(job)
-            except Exception as exc:  # a bug here must not stop the worker: the next request is served
+                answering = self._begin(job, slot)
+                if answering is not None:
+                    self._answering.append(answering)
+            except Exception as exc:
                 log.exception("request failed")
                 job.emit(Failed(server_error(f"internal error: {type(exc).__name__}: {exc}")))
+                answering = None
             finally:
-                self._current = None
+                self._beginning -= 1
+            if answering is None:
+                self.pool.release(slot)
 
-    def _answer(self, job: Job) -> None:
-        chat = self.chat
+    def _begin(self, job: Job, slot: Slot) -> _Answering | None:
+        """Set the slot's Chat to the request's conversation and ask its question (the prompt is prepared here,
+        prefilled on the answer's first turn); None when the request failed (reported to it)."""
+        chat = slot.chat
         conversation = job.conversation
         question = conversation.question
         tools = job.tools if job.tools is not None and job.tools.offered else None
         guidance, guided_by = job.guidance, "response_format"
         try:
-            tools_text = tools.template_text() if tools is not None else None
+            tools_text = _tools_text(job)
             if chat.system != conversation.system or chat.tools != tools_text:
                 chat.system, chat.tools = conversation.system, tools_text
                 chat.clear()
@@ -153,45 +224,74 @@ class Worker:
                               guidance=guidance, logprobs=job.logprobs, role=question.role)
         except runtime.ChatError as exc:
             job.emit(Failed(chat_error(exc, job.labels, guided_by)))
-            return
+            return None
         job.emit(Started())
-        scanner = StopScanner(job.stops)
-        calls = CallScanner() if tools is not None else None
-        stopped = False
-        sent = 0  # log-probabilities sent so far
+        return _Answering(job, slot, pieces, tools, StopScanner(job.stops),
+                          CallScanner() if tools is not None else None)
+
+    def _turn(self, answering: _Answering) -> bool:
+        """Run the answer for a few tokens (its first turn: the prefill and the first token); True when it ended."""
+        job, chat = answering.job, answering.slot.chat
+        limit = 1 if answering.tokens == 0 else TOKENS_PER_TURN
+        for _ in range(limit):
+            if job.cancelled.is_set():
+                return True
+            deadline = self._drain_deadline
+            if deadline is not None and time.monotonic() >= deadline:
+                self._finish(answering, stopped=False, reason="length")
+                return True
+            try:
+                piece = next(answering.pieces)
+            except StopIteration:
+                self._finish(answering, stopped=False)
+                return True
+            except runtime.ChatError as exc:
+                job.emit(Failed(chat_error(exc, job.labels)))
+                return True
+            answering.tokens += 1
+            text, stopped = answering.stops.feed(piece)
+            if answering.calls is not None:
+                text = answering.calls.feed(text)
+            logprobs = tuple(chat.last_logprobs[answering.sent:]) if job.logprobs is not None else ()
+            answering.sent += len(logprobs)
+            if text or logprobs:
+                job.emit(Piece(text, logprobs))
+            if stopped:
+                self._finish(answering, stopped=True)
+                return True
+            if self._waiting and not self._waiting[0].cancelled.is_set():
+                break  # a request waits: let it in after this token
+        return False
+
+    def _finish(self, answering: _Answering, stopped: bool, reason: str | None = None) -> None:
+        """The end of an answer: what the scanners held back, the tool calls found, and the Finished event."""
+        job, chat, tools, calls = answering.job, answering.slot.chat, answering.tools, answering.calls
+        answering.pieces.close()  # stops generation; the answer so far is recorded in chat.turns
+        tail = "" if stopped else answering.stops.flush()
         found: list[dict] = []
-        try:
-            for piece in pieces:
-                if job.cancelled.is_set():
-                    if self._stopping.is_set():
-                        job.emit(Failed(shutting_down()))
-                    return
-                text, stopped = scanner.feed(piece)
-                if calls is not None:
-                    text = calls.feed(text)
-                logprobs = tuple(chat.last_logprobs[sent:]) if job.logprobs is not None else ()
-                sent += len(logprobs)
-                if text or logprobs:
-                    job.emit(Piece(text, logprobs))
-                if stopped:
-                    break
-            tail = "" if stopped else scanner.flush()
-            if calls is not None:
-                tail = calls.feed(tail)
-                more, found = calls.finish(tools.names(), tools.single_call)
-                tail += more
-            if tail:
-                job.emit(Piece(tail))
-            if found:
-                job.emit(ToolCalls(found))
-        except runtime.ChatError as exc:
-            job.emit(Failed(chat_error(exc, job.labels)))
-            return
-        finally:
-            pieces.close()  # stops generation; the answer so far is recorded in chat.turns
+        if calls is not None and tools is not None:
+            tail = calls.feed(tail)
+            more, found = calls.finish(tools.names(), tools.single_call)
+            tail += more
+        if tail:
+            job.emit(Piece(tail))
+        if found:
+            job.emit(ToolCalls(found))
         stats = chat.last_stats
-        reason = "tool_calls" if found else "stop" if stopped else stats.finish_reason
+        reason = reason or ("tool_calls" if found else "stop" if stopped else stats.finish_reason)
         job.emit(Finished(reason, stats.prompt_tokens, stats.new_tokens))
+
+    def _end(self, answering: _Answering) -> None:
+        answering.pieces.close()
+        self._answering.remove(answering)
+        self.pool.release(answering.slot)
+        if answering.job.cancelled.is_set() and self._stopping:
+            answering.job.emit(Failed(shutting_down()))
+
+
+def _tools_text(job: Job) -> str | None:
+    tools = job.tools
+    return tools.template_text() if tools is not None and tools.offered else None
 
 
 def chat_error(exc: runtime.ChatError, labels: dict[Path, str], guided_by: str = "response_format") -> ApiError:

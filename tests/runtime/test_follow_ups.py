@@ -166,3 +166,53 @@ def test_a_conversation_prompted_again_has_the_same_ids(tiny_package, media_dir)
     again.restore(live.turns[:-1])
     list(again.ask("Why?", max_new_tokens=2))
     assert again.token_ids == live.token_ids
+
+
+@pytest.mark.parametrize("mode", ["text", "image"])
+def test_a_rewound_generator_equals_the_reference(mode, tiny_package, media_dir, reference):
+    """The last question edited (the first turns restored, another question asked) and an answer asked for again
+    (the same question after the turns before it) rewind the kept generator to what they share: only the new
+    question's ids are prefilled, and the answer equals the reference over the conversation's ids."""
+    first_inputs, images, audios = _first_turn_inputs(tiny_package, media_dir, "Describe what you get.", mode)
+    chat = Chat(tiny_package)
+    chat.keep_logits = True
+    list(chat.ask("Describe what you get.", images, audios, max_new_tokens=4))
+    after_first = chat.token_ids
+    first_turn = list(chat.turns)
+    list(chat.ask("And what else?", max_new_tokens=5))
+
+    chat.restore(first_turn)  # the client edited its second question
+    list(chat.ask("Name one colour.", max_new_tokens=5))
+    stats = chat.last_stats
+    # the first answer and the <|end|> that closed it (appended with the second question when it was cut short)
+    assert len(after_first) - 1 <= stats.reused_tokens <= len(after_first) and stats.prefill_tokens < 20
+    ids = chat.token_ids
+    assert ids[:len(after_first)] == after_first
+    expected = reference.prefill_and_greedy({**first_inputs, "input_ids": np.array([ids[:stats.prompt_tokens]],
+                                                                                     np.int64)}, max_new_tokens=5)
+    _assert_matches(chat, ids[stats.prompt_tokens:], expected, f"{mode}: edited question")
+
+    chat.restore([])  # the client asks for the first answer again, with its media
+    list(chat.ask("Describe what you get.", images, audios, max_new_tokens=4))
+    stats = chat.last_stats
+    prompt = first_inputs["input_ids"].shape[1]
+    assert stats.prompt_tokens == prompt and stats.reused_tokens == prompt - 1 and stats.prefill_tokens == 1
+    ids = chat.token_ids
+    assert ids[:prompt] == first_inputs["input_ids"][0].tolist()
+    expected = reference.prefill_and_greedy(first_inputs, max_new_tokens=4)
+    _assert_matches(chat, ids[prompt:], expected, f"{mode}: answer asked again")
+
+
+def test_a_rewind_that_would_drop_media_starts_over(tiny_package, media_dir):
+    """Turns after the shared ones brought an image: the generator's tensors hold it, so a new one is started."""
+    chat = Chat(tiny_package)
+    list(chat.ask("Hello.", max_new_tokens=3))
+    first_turn = list(chat.turns)
+    list(chat.ask("Look.", [media_dir / "square.png"], max_new_tokens=3))
+    chat.restore(first_turn)
+    list(chat.ask("Something else.", max_new_tokens=3))
+    assert chat.last_stats.reused_tokens == 0
+    fresh = Chat(tiny_package)
+    fresh.restore(first_turn)
+    list(fresh.ask("Something else.", max_new_tokens=3))
+    assert fresh.token_ids == chat.token_ids

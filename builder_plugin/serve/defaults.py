@@ -1,0 +1,6 @@
+"""The server's defaults, in a module of their own so that ``--help`` reads them without importing the runtime."""
+
+MAX_TOKENS = 1024  # of an answer without max_tokens: at ~10 tokens/s (full-size int4 on a CPU), two minutes
+MAX_CONVERSATIONS = 8  # kept with their KV caches, and answered at once
+MAX_QUEUE = 16  # requests waiting for a conversation to answer in
+DRAIN_SECONDS = 10.0  # answers in progress may go on this long after a stop signal

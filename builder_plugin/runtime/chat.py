@@ -279,6 +279,12 @@ class Chat:
         live = self._live
         return live.token_ids() if live is not None and live.turns == self.turns else []
 
+    @property
+    def holds_generator(self) -> bool:
+        """A generator (and its KV cache) is kept, whether or not it still holds this conversation. Unlike token_ids it
+        does not touch the generator, so another thread may read it while this one generates."""
+        return self._live is not None
+
     def clear(self) -> None:
         """Forget the conversation (loaded models are kept)."""
         self.turns.clear()

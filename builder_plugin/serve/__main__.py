@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from builder_plugin import __version__
 
 EXECUTION_PROVIDERS = ("cpu", "cuda", "dml", "webgpu")
 DEFAULT_MAX_TOKENS = 1024  # at ~10 tokens/s (full-size int4 on a CPU) an answer ends within two minutes
+API_KEYS_VARIABLE = "BUILDER_PLUGIN_API_KEYS"
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -38,6 +40,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, metavar="N",
                    help="longest answer of a request without max_tokens; a request may ask for less, or for more "
                    "up to the maximum length (default: %(default)s)")
+    p.add_argument("--api-key", action="append", metavar="KEY", dest="api_keys",
+                   help="require `Authorization: Bearer KEY` on every request but GET /health (others get 401); "
+                   f"repeat for several keys. Without --api-key, the comma-separated keys of ${API_KEYS_VARIABLE} "
+                   "are required if it is set and not empty (it keeps the keys out of the process list); "
+                   "without either, every request is accepted")
     p.add_argument("-e", "--execution-provider", choices=EXECUTION_PROVIDERS, default=None,
                    help="run on this provider (default: the one the package was built for)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
@@ -78,6 +85,7 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError("--max-body-mb and --media-cache-mb must be positive")
     if args.max_tokens < 1:
         raise ValueError("--max-tokens must be at least 1")
+    api_keys = requested_keys(args.api_keys, os.environ)
     with interrupting_signals():  # stopped while loading: main() returns 130, nothing is left behind
         chat = Chat(args.package, max_length=args.max_length, execution_provider=args.execution_provider,
                     threads=args.threads)
@@ -87,16 +95,32 @@ def serve(args: argparse.Namespace) -> int:
         cache = MediaCache(args.media_cache, int(args.media_cache_mb * MB))
         try:
             routes = Server(chat, cache, max_queue=args.max_queue, max_body_bytes=int(args.max_body_mb * MB),
-                            allow_local_files=args.allow_local_files, max_tokens=args.max_tokens)
+                            allow_local_files=args.allow_local_files, max_tokens=args.max_tokens, api_keys=api_keys)
             server = StoppableServer(uvicorn.Config(routes.app(), log_level="debug" if args.verbose else "info",
                                                     timeout_graceful_shutdown=5))
             print(f"serving {routes.model_id} at http://{host}:{port}/v1", flush=True)
+            print(f"API keys: {len(api_keys)} accepted, required on every request but GET /health" if api_keys else
+                  f"API keys: none (every request is accepted; --api-key or ${API_KEYS_VARIABLE} requires one)",
+                  flush=True)
             server.run(sockets=[listener])
         finally:
             cache.close()  # also done by the app's shutdown; here too in case it did not run
     if server.stopped_by is not None:
         print(f"stopped by {server.stopped_by.name}", flush=True)
     return 0
+
+
+def requested_keys(flags: list[str] | None, environ: Mapping[str, str]) -> tuple[str, ...]:
+    """The --api-key keys, else those of the environment variable (none if it is unset or blank); raises ValueError
+    for an empty key or one with whitespace."""
+    from builder_plugin.serve.auth import check_keys
+
+    if flags is not None:
+        return check_keys(flags)
+    listed = environ.get(API_KEYS_VARIABLE, "")
+    if not listed.strip():
+        return ()
+    return check_keys([key.strip() for key in listed.split(",")], API_KEYS_VARIABLE)
 
 
 if __name__ == "__main__":

@@ -26,8 +26,8 @@ def check_keys(keys: Sequence[str], source: str = "--api-key") -> tuple[str, ...
 
 class BearerAuth:
     """Pure ASGI: a request without a valid bearer key gets 401 with an OpenAI error body and `WWW-Authenticate:
-    Bearer`; lifespan messages pass. Keys are compared as SHA-256 digests with `hmac.compare_digest`, against every
-    key, so the time taken says nothing of which key nearly matched, nor of a key's length."""
+    Bearer`. Keys are compared as SHA-256 digests with `hmac.compare_digest`, against every key, so the time taken
+    says nothing of which key nearly matched, nor of a key's length."""
 
     def __init__(self, app: Any, keys: Sequence[str]) -> None:
         keys = check_keys(keys)
@@ -37,7 +37,8 @@ class BearerAuth:
         self._digests = tuple(_digest(key.encode("ascii")) for key in keys)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] not in ("http", "websocket") or (scope.get("method"), scope["path"]) in OPEN:
+        # lifespan passes, and so do websockets: no route takes one
+        if scope["type"] != "http" or (scope["method"], scope["path"]) in OPEN:
             await self.app(scope, receive, send)
             return
         token = _bearer_token(scope["headers"])
@@ -48,9 +49,6 @@ class BearerAuth:
             error = ApiError("Incorrect API key provided", 401, code="invalid_api_key")
         else:
             await self.app(scope, receive, send)
-            return
-        if scope["type"] == "websocket":  # refused before the handshake (uvicorn answers 403)
-            await send({"type": "websocket.close", "code": 1008})
             return
         body = json.dumps(error.body()).encode()
         await send({"type": "http.response.start", "status": 401,

@@ -302,7 +302,8 @@ class Chat:
 
     @property
     def kv_tokens(self) -> int:
-        """Positions of KV cache the kept generator holds (allocated for its whole length), 0 without one."""
+        """Positions of KV cache the kept generator holds (allocated for its whole length), 0 without one. Unlike
+        token_ids it does not touch the generator, so another thread may read it while this one generates."""
         live = self._live
         return live.max_length if live is not None and live.generator is not None else 0
 

@@ -5,14 +5,16 @@ from __future__ import annotations
 import argparse
 import functools
 import logging
+import os
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from builder_plugin import __version__
 from builder_plugin.serve import defaults
 
 EXECUTION_PROVIDERS = ("cpu", "cuda", "dml", "webgpu")
+API_KEYS_VARIABLE = "BUILDER_PLUGIN_API_KEYS"
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -49,6 +51,11 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=defaults.MAX_TOKENS, metavar="N",
                    help="longest answer of a request without max_tokens; a request may ask for less, or for more "
                    "up to the maximum length (default: %(default)s)")
+    p.add_argument("--api-key", action="append", metavar="KEY", dest="api_keys",
+                   help="require `Authorization: Bearer KEY` on every request but GET /health (others get 401); "
+                   f"repeat for several keys. Without --api-key, the comma-separated keys of ${API_KEYS_VARIABLE} "
+                   "are required if it is set and not empty (it keeps the keys out of the process list); "
+                   "without either, every request is accepted")
     p.add_argument("-e", "--execution-provider", choices=EXECUTION_PROVIDERS, default=None,
                    help="run on this provider (default: the one the package was built for)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
@@ -96,6 +103,7 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError("--kv-budget-gb must be positive")
     if args.drain_seconds < 0:
         raise ValueError("--drain-seconds must not be negative")
+    api_keys = requested_keys(args.api_keys, os.environ)
     with interrupting_signals():  # stopped while loading: main() returns 130, nothing is left behind
         chat = Chat(args.package, max_length=args.max_length, execution_provider=args.execution_provider,
                     threads=args.threads)
@@ -107,11 +115,14 @@ def serve(args: argparse.Namespace) -> int:
             budget = int(args.kv_budget_gb * GB) if args.kv_budget_gb is not None else None
             routes = Server(chat, cache, max_queue=args.max_queue, max_body_bytes=int(args.max_body_mb * MB),
                             allow_local_files=args.allow_local_files, max_tokens=args.max_tokens,
-                            max_conversations=args.max_conversations, kv_budget_bytes=budget)
+                            max_conversations=args.max_conversations, kv_budget_bytes=budget, api_keys=api_keys)
             server = StoppableServer(uvicorn.Config(routes.app(), log_level="debug" if args.verbose else "info",
                                                     timeout_graceful_shutdown=args.drain_seconds + 5))
             server.on_stop = functools.partial(routes.worker.drain, args.drain_seconds)
             print(f"serving {routes.model_id} at http://{host}:{port}/v1", flush=True)
+            print(f"API keys: {len(api_keys)} accepted, required on every request but GET /health" if api_keys else
+                  f"API keys: none (every request is accepted; --api-key or ${API_KEYS_VARIABLE} requires one)",
+                  flush=True)
             print(f"up to {routes.pool.max_conversations} conversations at once, their KV caches kept under "
                   f"{routes.pool.kv_budget_bytes / GB:.2f} GB", flush=True)
             server.run(sockets=[listener])
@@ -120,6 +131,19 @@ def serve(args: argparse.Namespace) -> int:
     if server.stopped_by is not None:
         print(f"stopped by {server.stopped_by.name}", flush=True)
     return 0
+
+
+def requested_keys(flags: list[str] | None, environ: Mapping[str, str]) -> tuple[str, ...]:
+    """The --api-key keys, else those of the environment variable (none if it is unset or blank); raises ValueError
+    for an empty key or one with whitespace."""
+    from builder_plugin.serve.auth import check_keys
+
+    if flags is not None:
+        return check_keys(flags)
+    listed = environ.get(API_KEYS_VARIABLE, "")
+    if not listed.strip():
+        return ()
+    return check_keys([key.strip() for key in listed.split(",")], API_KEYS_VARIABLE)
 
 
 if __name__ == "__main__":

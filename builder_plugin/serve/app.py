@@ -1,5 +1,6 @@
-"""The ASGI app: /v1/chat/completions (JSON or server-sent events), /v1/models and /health, in front of one Worker
-that answers in the kept conversations of a ConversationPool."""
+"""The ASGI app: /v1/chat/completions (JSON or server-sent events), /v1/models, /health and /metrics, in front of one
+Worker that answers in the kept conversations of a ConversationPool; with API keys, every route but /health needs
+one."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import contextlib
 import functools
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,14 +18,17 @@ from typing import Any
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from builder_plugin.runtime import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Chat, TokenLogprob
 from builder_plugin.serve import defaults
+from builder_plugin.serve.auth import BearerAuth, check_keys
 from builder_plugin.serve.errors import ApiError
 from builder_plugin.serve.media import MediaCache, MediaReader
+from builder_plugin.serve.metrics import CountChatResponses, Metrics
 from builder_plugin.serve.pool import ConversationPool, available_memory, default_kv_budget
 from builder_plugin.serve.protocol import ChatCompletionRequest, Reply, parse_conversation, parse_request, usage
 from builder_plugin.serve.tools import stream_deltas
@@ -44,8 +49,8 @@ class Server:
 
     def __init__(self, chat: Chat, media_cache: MediaCache, *, model_id: str | None = None,
                  max_queue: int = defaults.MAX_QUEUE, max_body_bytes: int = 32 * MB, allow_local_files: bool = False,
-                 max_tokens: int | None = None,
-                 max_conversations: int = defaults.MAX_CONVERSATIONS, kv_budget_bytes: int | None = None) -> None:
+                 max_tokens: int | None = None, max_conversations: int = defaults.MAX_CONVERSATIONS,
+                 kv_budget_bytes: int | None = None, api_keys: Sequence[str] = ()) -> None:
         self.chat = chat
         self.model_id = model_id or Path(chat.package_dir).resolve().name
         self.media_cache = media_cache
@@ -55,6 +60,10 @@ class Server:
         budget = kv_budget_bytes or default_kv_budget(chat, max_conversations, available_memory())
         self.pool = ConversationPool(chat, max_conversations, budget)
         self.worker = Worker(self.pool, max_queue)
+        self.api_keys = check_keys(api_keys)  # none: every request is accepted
+        self.metrics = Metrics(queue_depth=lambda: self.worker.waiting, active_requests=lambda: self.worker.answering,
+                               live_conversations=lambda: self.pool.live_conversations,
+                               kv_bytes=lambda: self.pool.kv_bytes)
 
     def app(self) -> Starlette:
         @contextlib.asynccontextmanager
@@ -71,10 +80,14 @@ class Server:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
+            Route("/metrics", self.metrics_text, methods=["GET"]),
         ]
         handlers = {HTTPException: _http_error, ApiError: _api_error, ClientGone: _client_gone,
                     Exception: _unexpected_error}
-        return Starlette(routes=routes, exception_handlers=handlers, lifespan=lifespan)
+        middleware = [Middleware(CountChatResponses, metrics=self.metrics)]  # outermost: it also counts the 401s
+        if self.api_keys:
+            middleware.append(Middleware(BearerAuth, keys=self.api_keys))
+        return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware, lifespan=lifespan)
 
     # ---- routes --------------------------------------------------------------------------------------------------
 
@@ -85,6 +98,10 @@ class Server:
                              "max_conversations": self.pool.max_conversations, "kv_bytes": self.pool.kv_bytes,
                              "kv_budget_bytes": self.pool.kv_budget_bytes})
 
+    async def metrics_text(self, _: Request) -> Response:
+        body, content_type = self.metrics.exposition()
+        return Response(body, media_type=content_type)
+
     async def models(self, _: Request) -> Response:
         return JSONResponse({"object": "list", "data": [self._model_card()]})
 
@@ -94,6 +111,7 @@ class Server:
         return JSONResponse(self._model_card())
 
     async def chat_completions(self, request: Request) -> Response:
+        received = time.perf_counter()
         parsed = parse_request(await self._read_body(request))
         if parsed.model is not None and parsed.model != self.model_id:
             raise _unknown_model(parsed.model)
@@ -102,7 +120,7 @@ class Server:
         reply = Reply.new(self.model_id)
         streaming = refused = False
         try:
-            job, events = await self._submit(parsed, media)
+            job, events = await self._submit(parsed, media, received)
             if parsed.stream:
                 first = await _until_disconnect(request, job, events.get())
                 if isinstance(first, Failed):
@@ -122,8 +140,10 @@ class Server:
                                              usage(finished.prompt_tokens, finished.completion_tokens),
                                              answer.calls, answer.logprobs if job.logprobs is not None else None))
 
-    async def _submit(self, parsed: ChatCompletionRequest, media: MediaReader) -> tuple[Job, asyncio.Queue[Event]]:
-        """Parse the messages (decoding media into the cache) and queue the job; raises ApiError (400, 429)."""
+    async def _submit(self, parsed: ChatCompletionRequest, media: MediaReader,
+                      received: float) -> tuple[Job, asyncio.Queue[Event]]:
+        """Parse the messages (decoding media into the cache) and queue the job; raises ApiError (400, 429).
+        `received`: the perf_counter time the request arrived (of the time-to-first-token metric)."""
         tools = parsed.tool_spec
         if tools is not None and tools.offered and not await run_in_threadpool(self._has_tool_tokens):
             raise ApiError(f"tools: this model's tokenizer has no tool-call tokens ({TOOL_CALL_OPEN}, "
@@ -133,7 +153,7 @@ class Server:
             raise ApiError("this model has no speech encoder, so it cannot take audio", param="messages",
                            code="audio_not_supported")
         events: asyncio.Queue[Event] = asyncio.Queue()
-        job = Job(conversation, emit=_emitter(asyncio.get_running_loop(), events),
+        job = Job(conversation, emit=_recording(self.metrics, received, _emitter(asyncio.get_running_loop(), events)),
                   max_new_tokens=parsed.max_new_tokens or self.max_tokens, sampling=parsed.sampling,
                   stops=parsed.stop_strings, labels=media.labels, guidance=parsed.guidance, tools=tools,
                   logprobs=parsed.top)
@@ -170,6 +190,27 @@ def _emitter(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[Event]):
             loop.call_soon_threadsafe(events.put_nowait, event)
 
     return emit
+
+
+def _recording(metrics: Metrics, received: float, emit: Callable[[Event], None]) -> Callable[[Event], None]:
+    """`emit`, recording in `metrics` the answer's time to its first piece, and when it finishes its tokens and its
+    time per token after the first (called on the worker thread, as the events are made)."""
+    first_piece: float | None = None
+
+    def recording_emit(event: Event) -> None:
+        nonlocal first_piece
+        if isinstance(event, Piece) and first_piece is None:
+            first_piece = time.perf_counter()
+            metrics.first_token(first_piece - received)
+        elif isinstance(event, Finished):
+            metrics.tokens(event.prompt_tokens, event.completion_tokens)
+            if first_piece is not None and event.completion_tokens > 1:
+                mean = (time.perf_counter() - first_piece) / (event.completion_tokens - 1)
+                for _ in range(event.completion_tokens - 1):
+                    metrics.token_interval(mean)
+        emit(event)
+
+    return recording_emit
 
 
 @dataclass

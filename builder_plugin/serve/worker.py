@@ -192,8 +192,8 @@ class Worker:
                 self._beginning += 1
             try:
                 answering = self._begin(job, slot)
-                if answering is not None:
-                    self._answering.append(answering)
+                if answering is not None:  # first in the round: its prefill does not wait for the others' turns
+                    self._answering.insert(0, answering)
             except Exception as exc:
                 log.exception("request failed")
                 job.emit(Failed(server_error(f"internal error: {type(exc).__name__}: {exc}")))

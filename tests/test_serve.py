@@ -387,7 +387,7 @@ def test_malformed_json_and_unknown_paths(server):
     assert response.status_code == 404 and "error" in response.json()
 
 
-def test_body_over_the_limit(served_chat, media_dir, tmp_path):
+def test_body_over_the_limit(served_chat, chat, media_dir, tmp_path):
     with running_server(served_chat, tmp_path, max_body_bytes=MB // 8) as small:
         big = "x" * (MB // 4)
         with pytest.raises(openai.APIStatusError) as caught:
@@ -397,7 +397,7 @@ def test_body_over_the_limit(served_chat, media_dir, tmp_path):
         chunks = (json.dumps({"messages": [user(big)]})[i:i + 4096].encode() for i in range(0, MB // 4 + 100, 4096))
         response = httpx.post(f"{small.url}/v1/chat/completions", content=chunks)
         assert response.status_code == 413
-        assert ask_server(small.client(), [user("Hi")]).text
+        assert ask_server(small.client(), [user("Hi")]) == ask_chat(chat, [("Hi", (), ())])[0]
 
 
 def test_audio_on_a_package_without_speech(package, media_dir, tmp_path):
@@ -549,7 +549,7 @@ def _folder_files(folder: Path) -> list[str]:
 
 
 @pytest.mark.parametrize("stop, media_cache", [("SIGTERM", None), ("SIGINT", "new"), ("SIGHUP", "existing")])
-def test_cli_serves_a_package_and_leaves_no_media_when_stopped(package, media_dir, tmp_path, stop, media_cache):
+def test_cli_serves_a_package_and_leaves_no_media_when_stopped(package, chat, media_dir, tmp_path, stop, media_cache):
     """A real server process, stopped by a signal: exit 0, and nothing a client sent is left (the temporary folder or
     a --media-cache folder it created is gone; in a folder that was there, only what was there before remains)."""
     temp = tmp_path / "temp"  # the server's system temp folder
@@ -569,7 +569,8 @@ def test_cli_serves_a_package_and_leaves_no_media_when_stopped(package, media_di
         url = line.split(" at ")[1].strip()
         assert httpx.get(url.removesuffix("/v1") + "/health").json()["status"] == "ok"
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
-        assert ask_server(client, [user("Hi", (media_dir / IMAGE,), (media_dir / AUDIO,))]).text
+        media = (media_dir / IMAGE,), (media_dir / AUDIO,)
+        assert ask_server(client, [user("Hi", *media)]) == ask_chat(chat, [("Hi", *media)])[0]
         held = [f for f in _folder_files(temp) if f.startswith("phi4mm-serve-media-")] if media_cache is None \
             else [f for f in _folder_files(tmp_path / "cache") if f != "mine.txt"]
         assert len(held) == 2, held  # the image and the clip, while serving

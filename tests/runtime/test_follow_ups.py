@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from builder_plugin.runtime import Chat, Turn, build_prompt
+from builder_plugin.runtime import Chat, Sampling, Turn, build_prompt
 from builder_plugin.testing.reference import GreedyResult, Reference
 
 NEAR_TIE = 1e-3  # top-1 minus top-2 reference logit below which fp32 rounding may flip the argmax
@@ -138,16 +138,23 @@ def test_the_recompute_frees_the_old_cache_first(tiny_package, tiny_config, monk
     assert alive_at_start == [False]  # the recompute's start: the first start had no live conversation yet
 
 
-def test_a_conversation_prompted_again_has_the_same_ids(tiny_package, media_dir):
+def test_a_conversation_prompted_again_has_the_same_ids(tiny_package, media_dir, reference):
     """Kept generator, a new Chat given the turns, the same Chat after another conversation (turns restored from
-    their text), and after release(): the same token ids each way (answers are never re-tokenised)."""
+    their text), and after release(): the same token ids each way (answers are never re-tokenised), and the answer
+    the reference gives over them."""
     image = media_dir / "square.png"
+    first_inputs, _, _ = _first_turn_inputs(tiny_package, media_dir, "Describe it.", "image")
     live = Chat(tiny_package)
     list(live.ask("Describe it.", [image], max_new_tokens=3))
     first = list(live.turns)
     list(live.ask("And then?", max_new_tokens=3))
     want = live.token_ids
     assert live.last_stats.reused_tokens > 0
+    prompt = live.last_stats.prompt_tokens
+    expected = reference.prefill_and_greedy({**first_inputs, "input_ids": np.array([want[:prompt]], np.int64)},
+                                            max_new_tokens=3)
+    agreed = _agreed(want[prompt:], expected)
+    assert want[prompt:prompt + agreed] == expected.tokens[:agreed]
 
     other = Chat(tiny_package)
     other.restore(first)  # turns carry their answer ids
@@ -216,3 +223,52 @@ def test_a_rewind_that_would_drop_media_starts_over(tiny_package, media_dir):
     fresh.restore(first_turn)
     list(fresh.ask("Something else.", max_new_tokens=3))
     assert fresh.token_ids == chat.token_ids
+
+
+@pytest.mark.parametrize("past", [0, 1], ids=["at-the-switch", "one-past"])
+def test_a_follow_up_at_the_switch_appends_and_one_past_it_restarts(past, tiny_package, tiny_config, reference):
+    """The follow-up's prompt ends exactly at original_max_position_embeddings: its ids are appended to the kept
+    short-factor cache (the answer then recomputes at its first step past the switch); one id more: the whole
+    conversation is prefilled again with the long factors. Either way the answer equals the reference's generation
+    loop over the same ids, which recomputes when the sequence grows past the switch."""
+    switch = tiny_config.text.original_max_position_embeddings
+    question, follow_up = "Count.", "Go on."
+    probe = Chat(tiny_package)
+    list(probe.ask(question, max_new_tokens=4))
+    kept = len(probe.token_ids)
+    list(probe.ask(follow_up, max_new_tokens=1))
+    question_ids = probe.last_stats.prompt_tokens - kept  # <|end|> of the cut answer and the follow-up's turn
+    first_answer = switch + past - question_ids - _text_ids_length(tiny_package, question)
+
+    chat = Chat(tiny_package)
+    chat.keep_logits = True
+    list(chat.ask(question, max_new_tokens=first_answer))
+    assert chat.last_stats.new_tokens == first_answer  # no end of answer: the conversation has the length planned
+    list(chat.ask(follow_up, max_new_tokens=4))
+    stats = chat.last_stats
+    assert stats.prompt_tokens == switch + past
+    if past:
+        assert stats.reused_tokens == 0 and not stats.recomputed
+    else:
+        assert stats.reused_tokens == switch - question_ids - 1 and stats.recomputed
+    ids = chat.token_ids
+    expected = reference.prefill_and_greedy({"input_ids": np.array([ids[:stats.prompt_tokens]], np.int64)},
+                                            max_new_tokens=4, recompute_at_switch=True)
+    _assert_matches(chat, ids[stats.prompt_tokens:], expected, f"follow-up ending {past} past the switch")
+
+
+def test_a_follow_up_with_other_sampling_starts_a_new_generator(tiny_package):
+    """The kept generator samples with the options it was made with: a question asking for others gets a new one
+    over the conversation's ids, and its answer is the one a fresh conversation with those options gives."""
+    sampling = Sampling(temperature=0.8, top_k=5, seed=7)
+    chat = Chat(tiny_package)
+    list(chat.ask("Hello.", max_new_tokens=4))
+    turns = list(chat.turns)
+    sampled = "".join(chat.ask("Tell me more.", max_new_tokens=6, sampling=sampling))
+    assert chat.last_stats.reused_tokens == 0
+    fresh = Chat(tiny_package)
+    fresh.restore(turns)
+    assert "".join(fresh.ask("Tell me more.", max_new_tokens=6, sampling=sampling)) == sampled
+    assert fresh.token_ids == chat.token_ids
+    list(chat.ask("And?", max_new_tokens=3, sampling=sampling))  # the same options again: the generator is kept
+    assert chat.last_stats.reused_tokens > 0

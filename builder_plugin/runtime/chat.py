@@ -6,9 +6,12 @@
   sessions; ``manifest.json`` in the package says which file answers which mode.
 - Follow-up questions: the generator that answered is kept with its KV cache. A question that brings no new image or
   audio (so the mode cannot change) only prefills its own tokens: they are appended to the conversation's token ids,
-  which are the prompt's ids followed by the generated ids (answers are never re-tokenised). A question with new media,
-  other sampling options, or a conversation changed by ``restore``/``clear`` starts a new generator over the whole
-  conversation, as the runtime requires for new media.
+  which are the prompt's ids followed by the generated ids (answers are never re-tokenised). ``restore`` of the
+  first turns of the kept conversation keeps the generator: the next question (an edited later one, or the next one
+  asked again) rewinds it to the ids they share. A question with new media, other sampling options, or a
+  conversation changed otherwise by ``restore``/``clear`` starts a new generator over the whole conversation, as
+  the runtime requires for new media. ``sibling`` makes another conversation on the same loaded models (a server
+  keeps several).
 - Generators are sized to the conversation plus ``follow_up_room`` tokens, not to ``max_length``: the runtime
   allocates (and zero-fills) the KV cache for its whole length up front, 256 KiB per token for the real model in fp32.
   A follow-up that does not fit restarts from the conversation's token ids in a larger generator.

@@ -83,6 +83,8 @@ from runtime_bench.prepare import (  # noqa: E402
 from runtime_bench.report import publish  # noqa: E402
 from runtime_bench.workers import make_case, merge_runs, run_worker, worker_main  # noqa: E402
 
+from builder_plugin.layout import GENAI_CONFIG_FILE  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results" / "runtime.json"
 DOC = ROOT / "docs" / "benchmarks.md"
 DEFAULT_WORK = Path("/tmp/bench_runtime")
@@ -256,7 +258,7 @@ def measure_full_depth(package: Path, text: list[Prompt], args: argparse.Namespa
         return None
     package = package.resolve()
     decoder = VARIANT_FILES["text"]
-    config = json.loads((package / "genai_config.json").read_text(encoding="utf-8"))
+    config = json.loads((package / GENAI_CONFIG_FILE).read_text(encoding="utf-8"))
     graph = decode_weight_bytes(package / decoder)
     precision = "int4" if graph["quantized"] else "fp32"
     prompt = text[0]

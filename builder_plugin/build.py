@@ -23,29 +23,29 @@ from builder_plugin.checkpoint.routing import route_weights
 from builder_plugin.components.base import BUILDERS, BuildOutput, ComponentBuilder, DecoderRuntimeSettings
 from builder_plugin.config import Phi4MMConfig, read_json
 from builder_plugin.errors import BuildError, InputError
-from builder_plugin.layout import DATA_FILES, GRAPH_FILES
+from builder_plugin.layout import (
+    DATA_FILES,
+    GENAI_CONFIG_FILE,
+    GENERATION_CONFIG_FILE,
+    GRAPH_FILES,
+    MANIFEST_FILE,
+    RUNNABLE_MINIMUM,
+    SPEECH_PROCESSOR_FILE,
+    TOKENIZER_FILE,
+    TOKENIZER_FILES,
+    VISION_PROCESSOR_FILE,
+)
 from builder_plugin.options import LORA_ADAPTERS, BuildOptions
 from builder_plugin.package import OutputFolder, PackageWriter
 from builder_plugin.quantize import QuantizationCache, wants_prepacking
-from builder_plugin.runtime.manifest import FORMAT_VERSION, MANIFEST_FILE, Manifest, provenance_json
+from builder_plugin.runtime.manifest import FORMAT_VERSION, Manifest, provenance_json
 from builder_plugin.spec import Component, IOSpec, check_io
-from genai_config import (
-    GENAI_CONFIG_FILE,
-    SPEECH_PROCESSOR_FILE,
-    VISION_PROCESSOR_FILE,
-    make_genai_config,
-    speech_processor_config,
-    vision_processor_config,
-    write_json,
-)
+from genai_config import make_genai_config, speech_processor_config, vision_processor_config, write_json
 from genai_config.processors import DEFAULT_DYNAMIC_HD
 
 BUILD_ORDER = (Component.VISION, Component.SPEECH, Component.EMBEDDING, Component.DECODER)
 COMPONENT_MODULES = {c: f"builder_plugin.components.{c.value}" for c in Component}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "generation_config.json")
-# The runtime needs these three graphs to load a phi4mm package at all; speech is optional.
-RUNNABLE_MINIMUM = frozenset({Component.VISION, Component.EMBEDDING, Component.DECODER})
+COPIED_FILES = (*TOKENIZER_FILES, GENERATION_CONFIG_FILE)  # from the checkpoint into the package, as they are
 
 
 @dataclass
@@ -122,7 +122,7 @@ class RuntimeConfigInputs:
 
 
 def check_tokenizer(model_dir: Path) -> None:
-    path = model_dir / "tokenizer.json"
+    path = model_dir / TOKENIZER_FILE
     if not path.is_file():
         raise InputError(f"tokenizer not found: {path}")
     try:
@@ -186,7 +186,7 @@ def build(options: BuildOptions, progress: bool = True) -> BuildResult:
         else:  # graphs only: no runtime manifest, but still where the package came from
             provenance = provenance_json(options.source_record, options.provenance())
             write_json(staging / MANIFEST_FILE, {"format": FORMAT_VERSION, **provenance})
-        for name in TOKENIZER_FILES:
+        for name in COPIED_FILES:
             if (options.model_dir / name).is_file():
                 shutil.copy(options.model_dir / name, staging / name)
         files = sorted((p.name, p.stat().st_size) for p in staging.iterdir() if p.is_file())

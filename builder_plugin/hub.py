@@ -24,20 +24,13 @@ from typing import Any, TypeVar
 
 from builder_plugin.config import NATIVE_ADAPTER_DIRS, NATIVE_MODEL_TYPE, ORIGINAL_MODEL_TYPE
 from builder_plugin.errors import InputError, UnsupportedModelError
+from builder_plugin.layout import GENERATION_CONFIG_FILE, TOKENIZER_FILES
 from builder_plugin.units import human
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_WEIGHTS_FILE = "model.safetensors"
-METADATA_FILES = (
-    "generation_config.json",
-    "preprocessor_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    INDEX_FILE,
-)
+METADATA_FILES = (GENERATION_CONFIG_FILE, "preprocessor_config.json", *TOKENIZER_FILES, INDEX_FILE)
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # each native adapter folder's two files
 DEFAULT_REVISION = "main"
 RETRY_DELAYS_S = (1.0, 2.0)  # a failed hub call is tried len + 1 times

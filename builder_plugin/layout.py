@@ -1,7 +1,7 @@
-"""The package layout, stated once: the components, the file each one is written to, and the input modes.
+"""The package layout, stated once: the components, the files a package holds, and the input modes.
 
 Standard library only, so the app helper (`builder_plugin.runtime`, which needs nothing but onnxruntime-genai) reads
-the same names as the builder, the genai_config writer and the benchmarks.
+the same names as the builder, the genai_config writer, verify and the benchmarks.
 """
 
 from __future__ import annotations
@@ -37,6 +37,22 @@ DATA_FILES: dict[Component, str] = {
 }
 
 MAIN_DECODER = GRAPH_FILES[Component.DECODER]
+
+# The runtime needs these three graphs to load a phi4mm package at all; speech is optional. A build of fewer writes
+# the graphs only (no runtime configuration).
+RUNNABLE_MINIMUM = frozenset({Component.VISION, Component.EMBEDDING, Component.DECODER})
+
+# The runtime configuration files a runnable package holds.
+GENAI_CONFIG_FILE = "genai_config.json"
+VISION_PROCESSOR_FILE = "vision_processor.json"
+SPEECH_PROCESSOR_FILE = "speech_processor.json"
+MANIFEST_FILE = "manifest.json"  # also in a graphs-only package: where it came from
+# The tokenizer files the runtime reads, copied from the checkpoint as they are.
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_FILES: tuple[str, ...] = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json",
+                                    "added_tokens.json")
+# Copied besides them: the checkpoint's sampling defaults, for an app to read (genai_config.json states them too).
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 # The input mode of a conversation, as the original model chooses its LoRA: any image -> "vision" (also with audio),
 # else audio -> "speech", else "text". In this order manifest.json lists the decoder of each mode.

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-VISION_PROCESSOR_FILE = "vision_processor.json"
-SPEECH_PROCESSOR_FILE = "speech_processor.json"
-
 DEFAULT_DYNAMIC_HD = 36  # maximum number of HD crops, as in the original preprocessor_config.json
 
 

@@ -13,10 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from builder_plugin.config import Phi4MMConfig
+from builder_plugin.layout import RUNNABLE_MINIMUM, SPEECH_PROCESSOR_FILE, VISION_PROCESSOR_FILE
 from builder_plugin.spec import Component, IOSpec, TensorSpec
-from genai_config.processors import SPEECH_PROCESSOR_FILE, VISION_PROCESSOR_FILE
-
-GENAI_CONFIG_FILE = "genai_config.json"
 
 # KV buffer per token for the real model is 256 KiB in fp32; this keeps the preallocated cache at a few GiB while
 # leaving room for the largest single image (~9.6k tokens) plus an answer.
@@ -77,9 +75,9 @@ def make_genai_config(
     defaults to PROVIDER_OPTIONS[execution_provider]; the build passes the decoder builder's own. `prepacking` says
     which components' graphs want onnxruntime's CPU prepacking (True: MatMulNBits) and which run unpacked (False: all
     MatMul weights float; on cpu their sessions get UNPACKED_WEIGHTS_ENTRIES); the others follow the decoder's."""
-    for needed in (Component.DECODER, Component.EMBEDDING, Component.VISION):
-        if needed not in specs:
-            raise ValueError(f"a phi4mm package needs the {needed.value} model")
+    missing = [c.value for c in Component if c in RUNNABLE_MINIMUM and c not in specs]
+    if missing:
+        raise ValueError(f"a phi4mm package needs the {' and '.join(missing)} model")
     text = config.text
     decoder = specs[Component.DECODER]
     logits = decoder.output("logits")

@@ -105,7 +105,8 @@ class EmbeddingBuilder(ComponentBuilder):
             raise SpecMismatchError(f"embedding: {TOKEN_TABLE} has shape {tuple(table.shape)}, expected "
                                     f"{(text.vocab_size, text.hidden_size)}")
 
-        g = GraphBuilder("phi-4-mm-embedding", self.io_spec(self.config, io_dtype), self.options.weight_dtype)
+        g = GraphBuilder(EMBEDDING_FILENAME.removesuffix(".onnx"), self.io_spec(self.config, io_dtype),
+                         self.options.weight_dtype)
         ids = g.inputs[INPUT_IDS]
         if self.table_layout == "transposed":
             table_t = g.weight(TRANSPOSED_TOKEN_TABLE, table, transform=transposed)

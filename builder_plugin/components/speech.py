@@ -65,7 +65,8 @@ class SpeechBuilder(ComponentBuilder):
     def build(self, weights: Mapping[str, TensorRef]) -> dict[str, ir.Model]:
         check_supported(self.config.audio)
         spec = self.io_spec(self.config, self.options.io_dtype)
-        graph = _SpeechGraph(GraphBuilder("phi-4-mm-speech", spec, self.options.weight_dtype), self.config, weights)
+        g = GraphBuilder(SPEECH_FILENAME.removesuffix(".onnx"), spec, self.options.weight_dtype)
+        graph = _SpeechGraph(g, self.config, weights)
         return {SPEECH_FILENAME: graph.build()}
 
 

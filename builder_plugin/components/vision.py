@@ -76,8 +76,8 @@ class VisionBuilder(ComponentBuilder):
 
     def build(self, weights: Mapping[str, TensorRef]) -> dict[str, ir.Model]:
         spec = self.io_spec(self.config, self.options.io_dtype)
-        graph = _VisionGraph(GraphBuilder("phi-4-mm-vision", spec, self.options.weight_dtype), self.config, weights,
-                             self.fused_ops)
+        g = GraphBuilder(VISION_FILENAME.removesuffix(".onnx"), spec, self.options.weight_dtype)
+        graph = _VisionGraph(g, self.config, weights, self.fused_ops)
         return {VISION_FILENAME: graph.build()}
 
 

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 import onnxruntime_genai as og
 
+from builder_plugin.layout import GENAI_CONFIG_FILE
 from builder_plugin.runtime.errors import (
     ChatError,
     GuidanceError,
@@ -57,7 +58,6 @@ from builder_plugin.runtime.prompt import ASSISTANT, END, Turn, build_prompt, us
 from builder_plugin.runtime.threads import thread_overlay
 from builder_plugin.runtime.tokens import MAX_TOP_LOGPROBS, TokenBytes, TokenLogprob, token_logprob
 
-GENAI_CONFIG_FILE = "genai_config.json"
 FOLLOW_UP_ROOM = 1024  # tokens of KV cache kept free for follow-up questions beyond the answer's max_new_tokens
 ANSWER_MEMORY = 256  # answers whose token ids are remembered for conversations restored from text
 _SYSTEM_SENTINEL, _TOOLS_SENTINEL = "system-1f0c", [918273645]  # stand-ins the chat template is rendered with

@@ -23,9 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from builder_plugin.layout import INPUT_MODES, SPLIT_DECODERS
+from builder_plugin.layout import INPUT_MODES, MANIFEST_FILE, SPLIT_DECODERS
 
-MANIFEST_FILE = "manifest.json"
 FORMAT_VERSION = 1
 MODES = INPUT_MODES
 ROUTINGS = ("self", "split", "fixed")

@@ -68,6 +68,7 @@ def verify(args: argparse.Namespace) -> Report:
     from tqdm import tqdm
 
     from builder_plugin.errors import BuildError
+    from builder_plugin.layout import GENAI_CONFIG_FILE
     from builder_plugin.memory import MemorySampler
     from builder_plugin.runtime import ChatError
     from builder_plugin.verify.engine import run_package
@@ -84,8 +85,8 @@ def verify(args: argparse.Namespace) -> Report:
 
     timings: dict[str, float] = {}
     package = args.package.expanduser()
-    if not (package / "genai_config.json").is_file():
-        raise ChatError(f"not a model package (no genai_config.json): {package}")
+    if not (package / GENAI_CONFIG_FILE).is_file():
+        raise ChatError(f"not a model package (no {GENAI_CONFIG_FILE}): {package}")
     if not (args.checkpoint / "config.json").is_file():
         raise BuildError(f"not a checkpoint folder (no config.json): {args.checkpoint}")
     # The reference indexes and routes the checkpoint first (cheap), so a broken one fails before any model runs.

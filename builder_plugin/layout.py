@@ -1,4 +1,5 @@
-"""The package layout, stated once: the components, the files a package holds, and the input modes.
+"""The package layout, stated once: the components, the files a package holds, the tensors one graph hands
+another, and the input modes.
 
 Standard library only, so the app helper (`builder_plugin.runtime`, which needs nothing but onnxruntime-genai) reads
 the same names as the builder, the genai_config writer, verify and the benchmarks.
@@ -53,6 +54,13 @@ TOKENIZER_FILES: tuple[str, ...] = (TOKENIZER_FILE, "tokenizer_config.json", "sp
                                     "added_tokens.json")
 # Copied besides them: the checkpoint's sampling defaults, for an app to read (genai_config.json states them too).
 GENERATION_CONFIG_FILE = "generation_config.json"
+
+# The tensors one graph hands another, and the runtime's names for what it feeds and reads.
+INPUT_IDS = "input_ids"  # token ids with the media placeholders: the embedding's input (and a routed decoder's)
+IMAGE_FEATURES = "image_features"  # vision -> embedding
+AUDIO_FEATURES = "audio_features"  # speech -> embedding
+INPUTS_EMBEDS = "inputs_embeds"  # embedding -> decoder
+LOGITS = "logits"  # the decoder's output the runtime samples from
 
 # The input mode of a conversation, as the original model chooses its LoRA: any image -> "vision" (also with audio),
 # else audio -> "speech", else "text". In this order manifest.json lists the decoder of each mode.

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from builder_plugin.config import Phi4MMConfig
-from builder_plugin.layout import RUNNABLE_MINIMUM, SPEECH_PROCESSOR_FILE, VISION_PROCESSOR_FILE
+from builder_plugin.layout import INPUT_IDS, LOGITS, RUNNABLE_MINIMUM, SPEECH_PROCESSOR_FILE, VISION_PROCESSOR_FILE
 from builder_plugin.spec import Component, IOSpec, TensorSpec
 
 # KV buffer per token for the real model is 256 KiB in fp32; this keeps the preallocated cache at a few GiB while
@@ -80,7 +80,7 @@ def make_genai_config(
         raise ValueError(f"a phi4mm package needs the {' and '.join(missing)} model")
     text = config.text
     decoder = specs[Component.DECODER]
-    logits = decoder.output("logits")
+    logits = decoder.output(LOGITS)
     vocab = logits.shape[-1] if isinstance(logits.shape[-1], int) else text.vocab_size
     if provider_options is None:
         provider_options = PROVIDER_OPTIONS[execution_provider]
@@ -124,7 +124,7 @@ def make_genai_config(
         if component in specs and own != model["decoder"]["session_options"]:
             model[component.value] = {"session_options": own, **model[component.value]}
     embedding_ids = specs[Component.EMBEDDING].inputs[0].name
-    if embedding_ids != model["decoder"]["inputs"].get("input_ids", "input_ids"):
+    if embedding_ids != model["decoder"]["inputs"].get(INPUT_IDS, INPUT_IDS):
         raise ValueError("the embedding graph must take its ids under the decoder's input_ids name")
 
     gen = dict(generation or {})

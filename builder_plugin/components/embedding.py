@@ -38,13 +38,13 @@ import onnx_ir as ir
 
 from builder_plugin.checkpoint.reader import TensorRef
 from builder_plugin.components.base import ComponentBuilder
-from builder_plugin.components.speech import AUDIO_FEATURES, SpeechBuilder
-from builder_plugin.components.vision import IMAGE_FEATURES, VisionBuilder
+from builder_plugin.components.speech import SpeechBuilder
+from builder_plugin.components.vision import VisionBuilder
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.dtypes import DTYPES
 from builder_plugin.errors import SpecMismatchError
 from builder_plugin.graph import MS_DOMAIN, GraphBuilder, transposed
-from builder_plugin.layout import GRAPH_FILES
+from builder_plugin.layout import AUDIO_FEATURES, GRAPH_FILES, IMAGE_FEATURES, INPUT_IDS, INPUTS_EMBEDS
 from builder_plugin.options import BuildOptions
 from builder_plugin.quant_plan import LM_HEAD_NODE, LM_HEAD_WEIGHT, QuantPlan
 from builder_plugin.quantize import ColumnChunkedTensor, QuantScheme
@@ -53,8 +53,6 @@ from builder_plugin.spec import Component, IOSpec, TensorSpec
 EMBEDDING_FILENAME = GRAPH_FILES[Component.EMBEDDING]
 TOKEN_TABLE = "embed_tokens.weight"  # routed local name; also the initializer name of the "rows" layout
 TRANSPOSED_TOKEN_TABLE = "embed_tokens.weight.transposed"
-INPUT_IDS = "input_ids"  # the token ids, as the runtime feeds them (also to a self-routing decoder)
-INPUTS_EMBEDS = "inputs_embeds"  # the output, the decoder's input
 
 TableLayout = Literal["transposed", "rows", "quantized"]
 TABLE_LAYOUTS: tuple[str, ...] = ("transposed", "rows", "quantized")

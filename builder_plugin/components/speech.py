@@ -29,11 +29,10 @@ from builder_plugin.components.base import ComponentBuilder
 from builder_plugin.config import AudioConfig, Phi4MMConfig
 from builder_plugin.errors import UnsupportedModelError
 from builder_plugin.graph import MS_DOMAIN, GraphBuilder, transposed
-from builder_plugin.layout import GRAPH_FILES
+from builder_plugin.layout import AUDIO_FEATURES, GRAPH_FILES
 from builder_plugin.spec import Component, IOSpec, TensorSpec
 
 SPEECH_FILENAME = GRAPH_FILES[Component.SPEECH]
-AUDIO_FEATURES = "audio_features"  # the output, an input of the embedding graph
 
 # The original encoder hard-codes this chunk length (``max_seq_len = 500`` in Phi4MultimodalAudioModel.forward):
 # longer subsampled sequences are cut into independent chunks of this many frames.

@@ -27,12 +27,11 @@ from builder_plugin.components.base import ComponentBuilder
 from builder_plugin.config import Phi4MMConfig, VisionConfig
 from builder_plugin.errors import UnsupportedModelError
 from builder_plugin.graph import MS_DOMAIN, GraphBuilder, transposed
-from builder_plugin.layout import GRAPH_FILES
+from builder_plugin.layout import GRAPH_FILES, IMAGE_FEATURES
 from builder_plugin.options import BuildOptions
 from builder_plugin.spec import Component, IOSpec, TensorSpec
 
 VISION_FILENAME = GRAPH_FILES[Component.VISION]
-IMAGE_FEATURES = "image_features"  # the output, an input of the embedding graph
 NUM_CHANNELS = 3
 
 # SigLIP hidden_act -> ONNX Gelu `approximate`; gelu_new / gelu_fast / gelu_pytorch_tanh are the same tanh formula.

@@ -32,6 +32,7 @@ from transformers.models.phi4_multimodal.modeling_phi4_multimodal import (
 from builder_plugin.checkpoint.reader import CheckpointReader, TensorRef
 from builder_plugin.checkpoint.routing import AUDIO_EMBED, IMAGE_EMBED, ignored_prefixes, route_weights
 from builder_plugin.config import Phi4MMConfig
+from builder_plugin.layout import INPUT_IDS
 from builder_plugin.spec import Component
 from builder_plugin.testing.reference import (
     ReferenceModelError,
@@ -140,7 +141,7 @@ class StreamingReference:
     def decoder(self, embeds: list[torch.Tensor], sequences: Sequence[TeacherForced],
                 progress: Progress = _no_progress) -> list[torch.Tensor]:
         """The final-norm hidden states [len(tokens), hidden] of the generated positions, layer by layer."""
-        prompt_lengths = [int(s.inputs["input_ids"].shape[-1]) for s in sequences]
+        prompt_lengths = [int(s.inputs[INPUT_IDS].shape[-1]) for s in sequences]
         rotary = Phi4MultimodalRotaryEmbedding(self.native)
         positions = [_incremental_rotary(rotary, e, n) for e, n in zip(embeds, prompt_lengths)]
         masks = [_causal_mask(e.shape[1], self.native.sliding_window) for e in embeds]
@@ -211,7 +212,7 @@ class StreamingReference:
 
     def _teacher_forced_ids(self, sequence: TeacherForced) -> torch.Tensor:
         """[1, T]: the prompt, then every generated token but the last (nothing is predicted after it)."""
-        prompt = torch.from_numpy(np.asarray(sequence.inputs["input_ids"], dtype=np.int64).reshape(1, -1))
+        prompt = torch.from_numpy(np.asarray(sequence.inputs[INPUT_IDS], dtype=np.int64).reshape(1, -1))
         fed = torch.tensor([list(sequence.tokens)[:-1]], dtype=torch.long).reshape(1, -1)
         return torch.cat([prompt, fed], dim=1)
 

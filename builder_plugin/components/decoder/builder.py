@@ -13,7 +13,6 @@ from builder_plugin.components.base import BuildOutput, ComponentBuilder, Decode
 from builder_plugin.components.decoder.genai_builder import genai_builder_class, make_genai_builder, quiet
 from builder_plugin.components.decoder.kv import KVLayer
 from builder_plugin.components.decoder.mode_routing import (
-    MODE_INPUT,
     add_mode_state,
     route_lora_branches,
 )
@@ -21,9 +20,10 @@ from builder_plugin.components.decoder.passes import fix_declared_shapes, hoist_
 from builder_plugin.components.decoder.tree import make_tree
 from builder_plugin.components.decoder.variants import DecoderVariant, decoder_variants, decoders_by_input_mode
 from builder_plugin.components.decoder.weights import WeightTensors
-from builder_plugin.components.embedding import INPUTS_EMBEDS, EmbeddingBuilder
+from builder_plugin.components.embedding import EmbeddingBuilder
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.errors import DecoderBuildError
+from builder_plugin.layout import INPUT_IDS, INPUTS_EMBEDS, LOGITS
 from builder_plugin.options import BuildOptions
 from builder_plugin.quant_plan import QuantPlan
 from builder_plugin.quantize import quantize_matmuls
@@ -60,12 +60,12 @@ class DecoderBuilder(ComponentBuilder):
         present = ("batch_size", kv_heads, "total_sequence_length", "kv_cache_dim")
         inputs += [TensorSpec(KVLayer(i).past_key, io_dtype, past) for i in layers]
         inputs += [TensorSpec(KVLayer(i).past_value, io_dtype, past) for i in layers]
-        outputs = [TensorSpec("logits", io_dtype, ("batch_size", 1, text.vocab_size))]  # last position only
+        outputs = [TensorSpec(LOGITS, io_dtype, ("batch_size", 1, text.vocab_size))]  # last position only
         outputs += [TensorSpec(KVLayer(i).present_key, io_dtype, present) for i in layers]
         outputs += [TensorSpec(KVLayer(i).present_value, io_dtype, present) for i in layers]
         if self_routing:  # after the builder's own I/O, in the order add_mode_state appends them
             state = KVLayer(text.num_hidden_layers)  # the mode's layer
-            inputs += [TensorSpec(MODE_INPUT, "int64", ("batch_size", "sequence_length")),
+            inputs += [TensorSpec(INPUT_IDS, "int64", ("batch_size", "sequence_length")),
                        TensorSpec(state.past_key, io_dtype, past), TensorSpec(state.past_value, io_dtype, past)]
             outputs += [TensorSpec(state.present_key, io_dtype, present),
                         TensorSpec(state.present_value, io_dtype, present)]

@@ -18,6 +18,7 @@ from builder_plugin.components.decoder.weights import LoraBranch, WeightTensors
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.dtypes import onnx_dtype
 from builder_plugin.errors import DecoderBuildError
+from builder_plugin.layout import LOGITS
 from builder_plugin.options import BuildOptions
 
 
@@ -156,7 +157,7 @@ def genai_builder_class() -> type:
                 weight = self.tensors.merged(proj.rows, proj.merged, weight_name)
             else:
                 weight = self.tensors.base(proj.rows, weight_name)
-            output = "logits" if kwargs.get("logits", False) and not proj.loras else f"{basename}/output_0"
+            output = LOGITS if kwargs.get("logits", False) and not proj.loras else f"{basename}/output_0"
             self._matmul_node(basename, root_input, weight, output, seq_dim)
             result = basename
             prefix = basename.rsplit("/", 1)[0]

@@ -30,13 +30,12 @@ import numpy as np
 import onnx_ir as ir
 
 from builder_plugin.components.decoder.kv import KVLayer
-from builder_plugin.components.embedding import INPUT_IDS, INPUTS_EMBEDS
 from builder_plugin.graph import MS_DOMAIN
+from builder_plugin.layout import INPUT_IDS, INPUTS_EMBEDS
 
 IMAGE_TOKEN_ID = 200010  # the placeholder ids the runtime's phi4mm processor expands (fixed in onnxruntime-genai)
 AUDIO_TOKEN_ID = 200011
 FLAG = 1024.0  # large enough that flag / context_length stays a normal fp16 number
-MODE_INPUT = INPUT_IDS  # the decoder reads the placeholder ids from the same input the embedding takes
 ROUTED_ADAPTERS = ("vision", "speech")  # If order: vision first, as an image wins over audio
 
 _LORA_A = re.compile(r"^(?P<owner>.*)/lora_A\.(?P<adapter>\w+)/MatMul(_Q\w+)?$")  # quantized: MatMul_Q4...
@@ -74,7 +73,7 @@ def add_mode_state(model: ir.Model, num_layers: int, kv_heads: int, head_size: i
     np_dtype = dtype.numpy()
     state = KVLayer(num_layers)  # the mode's layer, after the model's own
 
-    ids = ir.Value(name=MODE_INPUT, shape=ir.Shape(["batch_size", "sequence_length"]),
+    ids = ir.Value(name=INPUT_IDS, shape=ir.Shape(["batch_size", "sequence_length"]),
                    type=ir.TensorType(ir.DataType.INT64))
     past = {name: ir.Value(name=name, shape=first_past.shape, type=first_past.type)
             for name in (state.past_key, state.past_value)}

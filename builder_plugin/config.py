@@ -16,9 +16,8 @@ from typing import Any
 
 from builder_plugin.config_fields import Check, Field, Layout, as_stored, read_fields
 from builder_plugin.errors import InputError, UnsupportedModelError
+from builder_plugin.layout import AUDIO_TOKEN_ID, IMAGE_TOKEN_ID
 
-IMAGE_TOKEN_ID = 200010  # <|endoftext10|>; hard-coded in onnxruntime-genai's phi4mm processor
-AUDIO_TOKEN_ID = 200011  # <|endoftext11|>
 ENDOFTEXT_TOKEN_ID = 199999  # <|endoftext|>: bos, pad and eos when config.json names none
 
 ORIGINAL_MODEL_TYPE = "phi4mm"

@@ -62,9 +62,22 @@ AUDIO_FEATURES = "audio_features"  # speech -> embedding
 INPUTS_EMBEDS = "inputs_embeds"  # embedding -> decoder
 LOGITS = "logits"  # the decoder's output the runtime samples from
 
-# The input mode of a conversation, as the original model chooses its LoRA: any image -> "vision" (also with audio),
-# else audio -> "speech", else "text". In this order manifest.json lists the decoder of each mode.
+# The input mode of a conversation, as the original model chooses its LoRA (`mode_of`). In this order manifest.json
+# lists the decoder of each mode.
 INPUT_MODES: tuple[str, ...] = ("text", "vision", "speech")
+# The LoRA adapter the original model runs in each input mode ("none": the base weights).
+MODE_LORA: dict[str, str] = {"text": "none", "vision": "vision", "speech": "speech"}
+
+# The placeholder ids of one image-feature row / one audio-feature row in `input_ids`: onnxruntime-genai's phi4mm
+# processor expands these fixed ids (<|endoftext10|>, <|endoftext11|>), and a checkpoint that states none has them.
+IMAGE_TOKEN_ID = 200010
+AUDIO_TOKEN_ID = 200011
+
+
+def mode_of(has_image: bool, has_audio: bool) -> str:
+    """The input mode of a conversation: any image -> vision (also with audio), else audio -> speech, else text."""
+    return "vision" if has_image else "speech" if has_audio else "text"
+
 
 # The decoder file of each input mode in a split build (--lora split): one file per mode, base weights shared.
 SPLIT_DECODERS: dict[str, str] = {

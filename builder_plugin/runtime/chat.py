@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import onnxruntime_genai as og
 
-from builder_plugin.layout import GENAI_CONFIG_FILE
+from builder_plugin.layout import GENAI_CONFIG_FILE, mode_of
 from builder_plugin.runtime.errors import (
     ChatError,
     GuidanceError,
@@ -52,7 +52,7 @@ from builder_plugin.runtime.errors import (
 )
 from builder_plugin.runtime.guidance import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Guidance, tool_call_grammar
 from builder_plugin.runtime.kv_cache import kv_bytes_per_token
-from builder_plugin.runtime.manifest import Manifest, mode_of
+from builder_plugin.runtime.manifest import Manifest
 from builder_plugin.runtime.media import check_audio, check_image, decoder_reason
 from builder_plugin.runtime.prompt import ASSISTANT, END, Turn, build_prompt, user_content, user_turn
 from builder_plugin.runtime.threads import thread_overlay

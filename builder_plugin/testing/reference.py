@@ -1,8 +1,9 @@
 """Independent PyTorch reference for Phi-4-multimodal parity tests.
 
 Everything numeric here comes from transformers' native ``Phi4MultimodalForCausalLM`` (eager attention, fp32). This
-module must never import ``builder_plugin`` code outside ``builder_plugin.testing``: it is the yardstick the ONNX graphs
-are measured against, so it reads checkpoints, converts configs and merges LoRA on its own.
+module must never import ``builder_plugin`` code outside ``builder_plugin.testing`` but the package's names
+(``builder_plugin.layout``: the placeholder ids and the input-mode rule the runtime shares): it is the yardstick the
+ONNX graphs are measured against, so it reads checkpoints, converts configs and merges LoRA on its own.
 
 Semantics reproduced from the original ``Phi4MMForCausalLM``:
 
@@ -36,14 +37,12 @@ from transformers import (
 )
 from transformers.cache_utils import DynamicCache
 
-IMAGE_TOKEN_ID = 200010
-AUDIO_TOKEN_ID = 200011
+from builder_plugin.layout import AUDIO_TOKEN_ID, IMAGE_TOKEN_ID, MODE_LORA, mode_of
 
 ORIGINAL_MODEL_TYPE = "phi4mm"
 NATIVE_MODEL_TYPE = "phi4_multimodal"
 NATIVE_ADAPTER_DIRS = {"vision": "vision-lora", "speech": "speech-lora"}
-LORA_NAMES = ("vision", "speech")
-LORA_MODES = ("none", *LORA_NAMES)
+LORA_MODES = tuple(MODE_LORA.values())  # "none" and the adapters
 
 # The original remote code builds SigLIP-so400m when config.json has "img_processor": null.
 SIGLIP_SO400M = {
@@ -670,15 +669,11 @@ class Reference:
     @staticmethod
     def mode_for(has_image: bool, has_audio: bool) -> str:
         """Input mode -> "text" | "vision" | "speech" (which LoRA the original model activates)."""
-        if has_image:
-            return "vision"
-        if has_audio:
-            return "speech"
-        return "text"
+        return mode_of(has_image, has_audio)
 
     @staticmethod
     def lora_for_mode(mode: str) -> str:
-        return {"text": "none", "vision": "vision", "speech": "speech"}[mode]
+        return MODE_LORA[mode]
 
     # ---- features -----------------------------------------------------------------------------------------------
 

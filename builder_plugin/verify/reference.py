@@ -32,7 +32,7 @@ from transformers.models.phi4_multimodal.modeling_phi4_multimodal import (
 from builder_plugin.checkpoint.reader import CheckpointReader, TensorRef
 from builder_plugin.checkpoint.routing import AUDIO_EMBED, IMAGE_EMBED, ignored_prefixes, route_weights
 from builder_plugin.config import Phi4MMConfig
-from builder_plugin.layout import INPUT_IDS
+from builder_plugin.layout import INPUT_IDS, MODE_LORA, mode_of
 from builder_plugin.spec import Component
 from builder_plugin.testing.reference import (
     ReferenceModelError,
@@ -66,7 +66,7 @@ class TeacherForced:
 
     @property
     def lora(self) -> str:
-        return "vision" if self.has_image else "speech" if self.has_audio else "none"
+        return MODE_LORA[mode_of(self.has_image, self.has_audio)]
 
     @property
     def projection(self) -> str | None:

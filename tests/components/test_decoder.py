@@ -21,8 +21,7 @@ import torch
 
 from builder_plugin.build import build_component
 from builder_plugin.components.decoder import DecoderBuilder, DecoderBuildError, decoder_variants
-from builder_plugin.components.decoder.mode_routing import AUDIO_TOKEN_ID, IMAGE_TOKEN_ID
-from builder_plugin.layout import DATA_FILES, INPUT_MODES, MAIN_DECODER, SPLIT_DECODERS
+from builder_plugin.layout import AUDIO_TOKEN_ID, DATA_FILES, IMAGE_TOKEN_ID, INPUT_MODES, MAIN_DECODER, SPLIT_DECODERS
 from builder_plugin.options import BuildOptions
 from builder_plugin.package import PackageWriter
 from builder_plugin.quant_plan import LM_HEAD_WEIGHT

@@ -122,8 +122,9 @@ class DecoderBuilder(ComponentBuilder):
         Ifs unchanged."""
         if decoder_variants(self.config, self.options)[0].self_routing:
             text = self.config.text
+            placeholders = (self.config.image_token_id, self.config.audio_token_id)
             is_vision, is_speech = add_mode_state(model, text.num_hidden_layers, text.num_key_value_heads,
-                                                  text.head_dim)
+                                                  text.head_dim, placeholders)
             route_lora_branches(model, is_vision, is_speech)
         genai_builder_class().stamp_build_metadata(model)
         return model

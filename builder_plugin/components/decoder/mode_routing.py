@@ -1,9 +1,10 @@
 """Self-routing text decoder: one graph that applies the LoRA adapter of the conversation's input mode.
 
 onnxruntime-genai cannot switch adapters for phi4mm, and it feeds a decoder nothing that names the input mode. What it
-does feed, to a decoder that declares it, is ``input_ids``: the prompt with one image (200010) or audio (200011)
-placeholder id per feature row, then the new ids of each step. The graph reads the mode from those ids and keeps it
-across steps in one extra KV-cache "layer", which the runtime allocates, carries and rewinds like every other layer:
+does feed, to a decoder that declares it, is ``input_ids``: the prompt with one image or audio placeholder id per
+feature row (the checkpoint's ``image_token_id`` / ``audio_token_id``), then the new ids of each step. The graph reads
+the mode from those ids and keeps it across steps in one extra KV-cache "layer", which the runtime allocates, carries
+and rewinds like every other layer:
 
 - each call writes, for each of its positions, a value row whose first two channels say "this call holds an image
   placeholder" / "an audio placeholder" (FLAG, else 0);
@@ -33,8 +34,6 @@ from builder_plugin.components.decoder.kv import KVLayer
 from builder_plugin.graph import MS_DOMAIN
 from builder_plugin.layout import INPUT_IDS, INPUTS_EMBEDS
 
-IMAGE_TOKEN_ID = 200010  # the placeholder ids the runtime's phi4mm processor expands (fixed in onnxruntime-genai)
-AUDIO_TOKEN_ID = 200011
 FLAG = 1024.0  # large enough that flag / context_length stays a normal fp16 number
 ROUTED_ADAPTERS = ("vision", "speech")  # If order: vision first, as an image wins over audio
 
@@ -61,8 +60,10 @@ class _Emitter:
         return self("Constant", [], value=ir.tensor(array, name=f"{self.prefix}/{name}"))
 
 
-def add_mode_state(model: ir.Model, num_layers: int, kv_heads: int, head_size: int) -> tuple[ir.Value, ir.Value]:
-    """Add ``input_ids`` and the mode KV layer to a decoder graph; returns the (is_vision, is_speech) booleans."""
+def add_mode_state(model: ir.Model, num_layers: int, kv_heads: int, head_size: int,
+                   placeholder_ids: tuple[int, int]) -> tuple[ir.Value, ir.Value]:
+    """Add ``input_ids`` and the mode KV layer to a decoder graph; returns the (is_vision, is_speech) booleans.
+    `placeholder_ids`: the (image, audio) placeholder token ids."""
     graph = model.graph
     first_past = graph.inputs[[v.name for v in graph.inputs].index(KVLayer(0).past_key)]
     first_present = next(v for v in graph.outputs if v.name == KVLayer(0).present_key)
@@ -82,7 +83,7 @@ def add_mode_state(model: ir.Model, num_layers: int, kv_heads: int, head_size: i
     emit = _Emitter(graph, "/model/mode")
     width = kv_heads * head_size
     seen = []
-    for token in (IMAGE_TOKEN_ID, AUDIO_TOKEN_ID):
+    for token in placeholder_ids:
         hit = emit("Cast", [emit("Equal", [ids, emit.const(np.array(token, np.int64), f"token_{token}")])],
                    to=ir.DataType.FLOAT)
         seen.append(emit("ReduceMax", [hit], keepdims=0))  # over the whole call: 1.0 if the placeholder occurs

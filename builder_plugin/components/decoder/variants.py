@@ -6,12 +6,12 @@ from dataclasses import dataclass
 
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.errors import DecoderBuildError
-from builder_plugin.layout import INPUT_MODES, MAIN_DECODER, SPLIT_DECODERS
+from builder_plugin.layout import INPUT_MODES, MAIN_DECODER, MODE_LORA, SPLIT_DECODERS
 from builder_plugin.options import LORA_ADAPTERS, BuildOptions
 
-# The LoRA of each input mode's decoder in a split build, in the order they are built and written (the main decoder,
-# the one genai_config.json names, first).
-SPLIT_LORAS: dict[str, str] = {"vision": "vision", "speech": "speech", "text": "none"}
+# The input modes of a split build's decoders in the order they are built and written: the main decoder, the one
+# genai_config.json names, first.
+SPLIT_ORDER: tuple[str, ...] = ("vision", "speech", "text")
 
 
 @dataclass(frozen=True)
@@ -45,8 +45,8 @@ def decoder_variants(config: Phi4MMConfig, options: BuildOptions) -> tuple[Decod
     if options.merge_lora:
         return (DecoderVariant(MAIN_DECODER, lora, merged=lora),)
     if lora == "split":
-        return tuple(DecoderVariant(SPLIT_DECODERS[mode], adapter, adapters=LORA_ADAPTERS[adapter], input_mode=mode)
-                     for mode, adapter in SPLIT_LORAS.items())
+        return tuple(DecoderVariant(SPLIT_DECODERS[mode], MODE_LORA[mode], adapters=LORA_ADAPTERS[MODE_LORA[mode]],
+                                    input_mode=mode) for mode in SPLIT_ORDER)
     return (DecoderVariant(MAIN_DECODER, lora, adapters=adapters),)
 
 

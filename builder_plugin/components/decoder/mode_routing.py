@@ -23,7 +23,6 @@ media must start in the first chunk; the package does not set chunk_size.
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -31,13 +30,12 @@ import numpy as np
 import onnx_ir as ir
 
 from builder_plugin.components.decoder.kv import KVLayer
+from builder_plugin.components.decoder.lora_names import parse_lora_node
 from builder_plugin.graph import MS_DOMAIN
 from builder_plugin.layout import INPUT_IDS, INPUTS_EMBEDS
 
 FLAG = 1024.0  # large enough that flag / context_length stays a normal fp16 number
 ROUTED_ADAPTERS = ("vision", "speech")  # If order: vision first, as an image wins over audio
-
-_LORA_A = re.compile(r"^(?P<owner>.*)/lora_A\.(?P<adapter>\w+)/MatMul(_Q\w+)?$")  # quantized: MatMul_Q4...
 
 
 class _Emitter:
@@ -140,9 +138,9 @@ def route_lora_branches(model: ir.Model, is_vision: ir.Value, is_speech: ir.Valu
     graph = model.graph
     groups: dict[str, dict[str, ir.Node]] = defaultdict(dict)  # owner -> adapter -> A node
     for node in graph:
-        match = _LORA_A.match(node.name or "")
-        if match:
-            groups[match["owner"]][match["adapter"]] = node
+        part = parse_lora_node(node.name)
+        if part is not None and part.part == "A":
+            groups[part.site][part.adapter] = node
     routed = 0
     conditions = {"vision": is_vision, "speech": is_speech}
     for owner, a_nodes in groups.items():
@@ -170,9 +168,8 @@ def _sites(a_nodes: dict[str, ir.Node]) -> list[_Site]:
             (add_use,) = list(b_node.outputs[0].uses())
             add = add_use.node
             base = add.inputs[1 - add_use.idx]  # the base output, or the previous adapter's Add: walk back to it
-            while base.producer() is not None and base.producer().op_type == "Add" and "/lora." in base.producer().name:
-                base = next(i for i in base.producer().inputs if i.producer() is None
-                            or "/lora_B." not in (i.producer().name or ""))
+            while base.producer() is not None and _part(base.producer()) == "Add":
+                base = next(i for i in base.producer().inputs if i.producer() is None or _part(i.producer()) != "B")
             key = id(base)
             if key not in by_base:
                 by_base[key] = _Site(base, add.outputs[0], {}, {})
@@ -183,6 +180,12 @@ def _sites(a_nodes: dict[str, ir.Node]) -> list[_Site]:
     for site in by_base.values():
         site.out = _last_add(site)
     return [by_base[k] for k in order]
+
+
+def _part(node: ir.Node) -> str | None:
+    """Which part of a LoRA branch `node` is ("A", "B", "Add"), or None."""
+    part = parse_lora_node(node.name)
+    return part.part if part is not None else None
 
 
 def _last_add(site: _Site) -> ir.Value:

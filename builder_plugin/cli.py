@@ -15,7 +15,8 @@ from builder_plugin import __version__
 from builder_plugin.errors import BuildError, InputError
 from builder_plugin.extra_options import ALGO_CONFIGS, DEFAULT_ALGO_CONFIG, EXTRA_OPTIONS, check_extra_options
 from builder_plugin.layout import Component
-from builder_plugin.options import EXECUTION_PROVIDERS, LORA_CHOICES, PRECISIONS, BuildOptions
+from builder_plugin.options import LORA_CHOICES, BuildOptions
+from builder_plugin.precisions import EXECUTION_PROVIDERS, PRECISIONS
 from builder_plugin.units import human
 
 COMPONENT_ALIASES: dict[str, frozenset[Component]] = {

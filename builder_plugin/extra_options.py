@@ -12,14 +12,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from builder_plugin.errors import InputError
+from builder_plugin.precisions import PRECISION_BITS, QUANTIZED_PRECISIONS
 
 # The base quantization methods (builder_plugin.quantize implements them): onnxruntime's MLAS kernel,
 # neural-compressor RTN and k-quant. Declared here, with the other option tables, so parsing the command line needs
 # neither numpy nor onnx.
 METHODS: tuple[str, ...] = ("default", "rtn", "k_quant")
 # Quant type (also the -p precision of that name) -> bits.
-QUANT_TYPE_BITS: dict[str, int] = {"int4": 4, "int8": 8}
-QUANTIZED_PRECISIONS: tuple[str, ...] = tuple(QUANT_TYPE_BITS)
+QUANT_TYPE_BITS: dict[str, int] = {p: PRECISION_BITS[p] for p in QUANTIZED_PRECISIONS}
 
 # algo_config value -> (base method, mixed-precision placement it implies): the base methods, and
 # quant_config._LEGACY_ALGO_ALIASES.

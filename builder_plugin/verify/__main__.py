@@ -70,10 +70,11 @@ def verify(args: argparse.Namespace) -> Report:
     from builder_plugin.errors import BuildError
     from builder_plugin.layout import GENAI_CONFIG_FILE
     from builder_plugin.memory import MemorySampler
+    from builder_plugin.precisions import lowest
     from builder_plugin.runtime import ChatError
     from builder_plugin.verify.engine import run_package
     from builder_plugin.verify.metrics import THRESHOLDS, compare, judge
-    from builder_plugin.verify.package_info import check_architecture, has_speech, lowest, package_precisions
+    from builder_plugin.verify.package_info import check_architecture, has_speech, package_precisions
     from builder_plugin.verify.prompts import build_cases
     from builder_plugin.verify.reference import StreamingReference, TeacherForced
     from builder_plugin.verify.report import Report
@@ -93,7 +94,7 @@ def verify(args: argparse.Namespace) -> Report:
     reference = StreamingReference(args.checkpoint)
     check_architecture(package, reference.config)
     graphs = package_precisions(package)
-    precision = lowest(graphs)
+    precision = lowest(list(graphs.values()))
     modes = args.modes or MODES
     if not has_speech(package):
         if args.modes and any("audio" in m for m in args.modes):

@@ -12,9 +12,6 @@ import onnx
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.layout import GENAI_CONFIG_FILE, MAIN_DECODER, SPLIT_DECODERS
 
-# lowest first
-PRECISIONS = ("int4", "int8", "fp16", "fp32")
-
 _FLOAT_TYPES = {onnx.TensorProto.FLOAT: "fp32", onnx.TensorProto.FLOAT16: "fp16", onnx.TensorProto.BFLOAT16: "fp16"}
 _INT8_OPS = {"MatMulInteger", "DynamicQuantizeLinear", "QLinearMatMul", "MatMulIntegerToFloat"}
 
@@ -46,10 +43,6 @@ def has_speech(package: Path) -> bool:
     """Whether the package has a speech model (a `--components vision,text` build has none)."""
     config = json.loads((package / GENAI_CONFIG_FILE).read_text(encoding="utf-8"))["model"]
     return bool((config.get("speech") or {}).get("filename"))
-
-
-def lowest(precisions: dict[str, str]) -> str:
-    return min(precisions.values(), key=PRECISIONS.index)
 
 
 class ArchitectureMismatchError(ValueError):

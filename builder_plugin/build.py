@@ -37,7 +37,8 @@ from builder_plugin.layout import (
 )
 from builder_plugin.options import LORA_ADAPTERS, BuildOptions
 from builder_plugin.package import OutputFolder, PackageWriter
-from builder_plugin.quantize import QuantizationCache, wants_prepacking
+from builder_plugin.quant.matmul import wants_prepacking
+from builder_plugin.quant.weights import QuantizationCache
 from builder_plugin.runtime.manifest import FORMAT_VERSION, Manifest, provenance_json
 from builder_plugin.spec import Component, IOSpec, check_io
 from genai_config import make_genai_config, speech_processor_config, vision_processor_config, write_json

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
-from builder_plugin.extra_options import DEFAULT_ALGO_CONFIG, check_extra_options
 from builder_plugin.layout import Component
 from builder_plugin.precisions import QUANTIZED_PRECISIONS, ExecutionProvider, Precision, io_dtype
+from builder_plugin.quant.choices import DEFAULT_ALGO_CONFIG
+from builder_plugin.quant.extra_options import check_extra_options
 
 LoraChoice = Literal["routed", "split", "vision", "speech", "none", "vision+speech"]
 
@@ -69,9 +71,10 @@ class BuildOptions:
         """Float dtype of weights that stay unquantized."""
         return "float32" if self.precision == "fp32" else self.io_dtype
 
-    @property
+    @cached_property
     def extra(self) -> dict[str, Any]:
-        """--extra_options parsed, with their defaults (extra_options.EXTRA_OPTIONS)."""
+        """--extra_options parsed (once), with their defaults (quant.extra_options.EXTRA_OPTIONS); InputError for a
+        bad key or value."""
         return check_extra_options(self.extra_options, self.precision)
 
     @property

@@ -17,8 +17,9 @@ import onnx_ir as ir
 from builder_plugin.checkpoint.reader import TensorRef
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.options import BuildOptions
-from builder_plugin.quant_plan import QuantPlan
-from builder_plugin.quantize import QuantizationCache, quantize_matmuls
+from builder_plugin.quant.matmul import quantize_matmuls
+from builder_plugin.quant.plan import QuantPlan
+from builder_plugin.quant.weights import QuantizationCache
 from builder_plugin.spec import Component, IOSpec
 
 BUILDERS: dict[Component, type[ComponentBuilder]] = {}

@@ -46,8 +46,9 @@ from builder_plugin.errors import SpecMismatchError
 from builder_plugin.graph import MS_DOMAIN, GraphBuilder, transposed
 from builder_plugin.layout import AUDIO_FEATURES, GRAPH_FILES, IMAGE_FEATURES, INPUT_IDS, INPUTS_EMBEDS
 from builder_plugin.options import BuildOptions
-from builder_plugin.quant_plan import LM_HEAD_NODE, LM_HEAD_WEIGHT, QuantPlan
-from builder_plugin.quantize import ColumnChunkedTensor, QuantScheme
+from builder_plugin.quant.kernels import QuantScheme
+from builder_plugin.quant.plan import LM_HEAD_NODE, LM_HEAD_WEIGHT, QuantPlan
+from builder_plugin.quant.weights import ColumnChunkedTensor
 from builder_plugin.spec import Component, IOSpec, TensorSpec
 
 EMBEDDING_FILENAME = GRAPH_FILES[Component.EMBEDDING]

@@ -24,7 +24,7 @@ from builder_plugin.components.decoder import DecoderBuilder, DecoderBuildError,
 from builder_plugin.layout import AUDIO_TOKEN_ID, DATA_FILES, IMAGE_TOKEN_ID, INPUT_MODES, MAIN_DECODER, SPLIT_DECODERS
 from builder_plugin.options import BuildOptions
 from builder_plugin.package import PackageWriter
-from builder_plugin.quant_plan import LM_HEAD_WEIGHT
+from builder_plugin.quant.plan import LM_HEAD_WEIGHT
 from builder_plugin.spec import Component
 from tests.stock_quantizer import stock_to_nbits
 

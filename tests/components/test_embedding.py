@@ -20,7 +20,7 @@ from builder_plugin.components.embedding import (
 from builder_plugin.layout import DATA_FILES, MAIN_DECODER
 from builder_plugin.options import BuildOptions
 from builder_plugin.package import PackageWriter
-from builder_plugin.quant_plan import LM_HEAD_NODE, LM_HEAD_WEIGHT
+from builder_plugin.quant.plan import LM_HEAD_NODE, LM_HEAD_WEIGHT
 from builder_plugin.spec import Component, check_io
 
 DATA_FILE = DATA_FILES[Component.DECODER]
@@ -247,8 +247,8 @@ def test_every_quantization_choice_reads_the_decoders_lm_head_stored_once(precis
     """Whatever the lm_head becomes (int8, k_quant with zero points, asymmetric RTN, or float when excluded), the
     embedding reads exactly the decoder's lm_head weights, quantized once and stored once: its lookup equals the rows
     the decoder's MatMulNBits dequantizes (or multiplies by, when float)."""
-    from builder_plugin import quantize
     from builder_plugin.build import build
+    from builder_plugin.quant import weights as quantize
     from builder_plugin.spec import Component as C
 
     computed = []

@@ -16,8 +16,8 @@ What the subclass changes:
   ``merge_lora`` a single adapter is folded into the base weights in fp32 instead. The default ``routed`` decoder holds
   both adapters behind ``If`` nodes and picks one per conversation from the placeholder ids (`mode_routing`); ``split``
   writes one decoder file per input mode instead.
-- int4/int8: the float graph is rewritten by `builder_plugin.quantize.quantize_matmuls` (lazy, streaming) with the
-  per-node schemes of `builder_plugin.quant_plan.QuantPlan`, rather than the builder's whole-graph ``to_nbits``.
+- int4/int8: the float graph is rewritten by `builder_plugin.quant.matmul.quantize_matmuls` (lazy, streaming) with
+  the per-node schemes of `builder_plugin.quant.plan.QuantPlan`, rather than the builder's whole-graph ``to_nbits``.
 - The LongRoPE cos/sin caches, which the builder puts in ``If`` branches as Constant nodes inside ``model.onnx``, are
   hoisted to main-graph initializers so they go to external data and are shared between variants.
 

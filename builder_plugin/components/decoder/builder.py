@@ -25,8 +25,8 @@ from builder_plugin.config import Phi4MMConfig
 from builder_plugin.errors import DecoderBuildError
 from builder_plugin.layout import INPUT_IDS, INPUTS_EMBEDS, LOGITS
 from builder_plugin.options import BuildOptions
-from builder_plugin.quant_plan import QuantPlan
-from builder_plugin.quantize import quantize_matmuls
+from builder_plugin.quant.matmul import quantize_matmuls
+from builder_plugin.quant.plan import QuantPlan
 from builder_plugin.spec import Component, IOSpec, TensorSpec
 
 _ATTN_EPS_WITH_FUSED_ROPE = ("cpu", "cuda", "webgpu")  # dml runs RotaryEmbedding on position_ids instead

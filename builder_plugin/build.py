@@ -78,7 +78,7 @@ def builder_class(component: Component) -> type[ComponentBuilder]:
 
 def validate_options(options: BuildOptions, config: Phi4MMConfig) -> None:
     """Every check of the options, against each other and against the checkpoint's config, made before any work:
-    each refusal is one InputError line. (The decoder keeps defensive checks of its own, never reached from here.)"""
+    each refusal is one InputError line. The builders rely on it: none checks the options again."""
     options.extra  # noqa: B018  - parses every --extra_options key (block_size too), raising InputError on a bad one
     if options.lora not in LORA_ADAPTERS:
         raise InputError(f"unknown --lora choice {options.lora!r}; choose from {', '.join(LORA_ADAPTERS)}")
@@ -170,8 +170,7 @@ def build(options: BuildOptions, progress: bool = True) -> BuildResult:
         for step, component in enumerate(components, 1):
             if progress:
                 print(f"[{step}/{len(components)}] {component.value}: building the graph", file=sys.stderr, flush=True)
-            builder = classes[component](config, options)
-            builder.quant_cache = quant_cache
+            builder = classes[component](config, options, quant_cache)
             output = build_component(builder, weights[component])
             wanted = {wants_prepacking(model) for model in output.graphs.values()} - {None}
             if wanted:

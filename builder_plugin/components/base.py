@@ -51,11 +51,12 @@ class ComponentBuilder(ABC):
             raise TypeError(f"{cls.__name__} must declare its `component`")
         BUILDERS[cls.component] = cls
 
-    def __init__(self, config: Phi4MMConfig, options: BuildOptions) -> None:
+    def __init__(self, config: Phi4MMConfig, options: BuildOptions,
+                 quant_cache: QuantizationCache | None = None) -> None:
         self.config = config
         self.options = options
         # build() hands every component one cache, so the embedding and the decoder share the token table's blocks
-        self.quant_cache = QuantizationCache(options.jobs)
+        self.quant_cache = quant_cache or QuantizationCache(options.jobs)
 
     @classmethod
     @abstractmethod

@@ -48,7 +48,7 @@ from builder_plugin.layout import AUDIO_FEATURES, GRAPH_FILES, IMAGE_FEATURES, I
 from builder_plugin.options import BuildOptions
 from builder_plugin.quant.kernels import QuantScheme
 from builder_plugin.quant.plan import LM_HEAD_NODE, LM_HEAD_WEIGHT, QuantPlan
-from builder_plugin.quant.weights import ColumnChunkedTensor
+from builder_plugin.quant.weights import ColumnChunkedTensor, QuantizationCache
 from builder_plugin.spec import Component, IOSpec, TensorSpec
 
 EMBEDDING_FILENAME = GRAPH_FILES[Component.EMBEDDING]
@@ -65,9 +65,9 @@ class EmbeddingBuilder(ComponentBuilder):
 
     component = Component.EMBEDDING
 
-    def __init__(self, config: Phi4MMConfig, options: BuildOptions, *,
+    def __init__(self, config: Phi4MMConfig, options: BuildOptions, quant_cache: QuantizationCache | None = None, *,
                  table_layout: TableLayout | None = None) -> None:
-        super().__init__(config, options)
+        super().__init__(config, options, quant_cache)
         self.lm_head_scheme: QuantScheme | None = None
         if options.quantize:  # the decoder's lm_head quantization, which the quantized layout must read
             self.lm_head_scheme = QuantPlan.for_decoder(options, config.text.num_hidden_layers).scheme(LM_HEAD_NODE)

@@ -29,6 +29,7 @@ from builder_plugin.errors import UnsupportedModelError
 from builder_plugin.graph import MS_DOMAIN, GraphBuilder, transposed
 from builder_plugin.layout import GRAPH_FILES, IMAGE_FEATURES
 from builder_plugin.options import BuildOptions
+from builder_plugin.quant.weights import QuantizationCache
 from builder_plugin.spec import Component, IOSpec, TensorSpec
 
 VISION_FILENAME = GRAPH_FILES[Component.VISION]
@@ -50,8 +51,9 @@ class VisionBuilder(ComponentBuilder):
 
     component = Component.VISION
 
-    def __init__(self, config: Phi4MMConfig, options: BuildOptions, *, fused_ops: bool = True) -> None:
-        super().__init__(config, options)
+    def __init__(self, config: Phi4MMConfig, options: BuildOptions, quant_cache: QuantizationCache | None = None, *,
+                 fused_ops: bool = True) -> None:
+        super().__init__(config, options, quant_cache)
         self.fused_ops = fused_ops
         if config.vision.hidden_act not in GELU_APPROXIMATION:
             raise UnsupportedModelError(

@@ -31,7 +31,7 @@ from __future__ import annotations
 from builder_plugin.components.base import DecoderRuntimeSettings
 from builder_plugin.components.decoder.builder import DecoderBuilder
 from builder_plugin.components.decoder.genai_builder import genai_builder_class, genai_text_config
-from builder_plugin.components.decoder.variants import DecoderVariant, decoder_variants
+from builder_plugin.components.decoder.variants import DecoderPlan, DecoderVariant
 from builder_plugin.errors import DecoderBuildError
 from builder_plugin.layout import MAIN_DECODER
 
@@ -39,9 +39,9 @@ __all__ = [
     "MAIN_DECODER",
     "DecoderBuildError",
     "DecoderBuilder",
+    "DecoderPlan",
     "DecoderRuntimeSettings",
     "DecoderVariant",
-    "decoder_variants",
     "genai_builder_class",
     "genai_text_config",
 ]

@@ -1,9 +1,10 @@
 """The build pipeline: checkpoint folder -> four-model phi4mm package.
 
-config.json is parsed once and every option is checked against it before any work; the checkpoint is indexed lazily and
-every tensor routed. Then each selected component runs the same steps (`build_component`): its float graph(s), each
-quantized for int4/int8, finished (the decoder's LoRA routing) and checked against the component's I/O spec, then
-written with shared external data into a staging folder that replaces the output only when everything succeeded.
+The checkpoint's config files are parsed once (Phi4MMConfig) and every option is checked against them before any work;
+the checkpoint is indexed lazily and every tensor routed. Then each selected component runs the same steps
+(`build_component`): its float graph(s), each quantized for int4/int8, finished (the decoder's LoRA routing) and
+checked against the component's I/O spec, then written with shared external data into a staging folder that replaces
+the output only when everything succeeded.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from builder_plugin.checkpoint.reader import CheckpointReader, TensorRef
 from builder_plugin.checkpoint.routing import route_weights
@@ -42,7 +42,6 @@ from builder_plugin.quant.weights import QuantizationCache
 from builder_plugin.runtime.manifest import FORMAT_VERSION, Manifest, provenance_json
 from builder_plugin.spec import Component, IOSpec, check_io
 from genai_config import make_genai_config, speech_processor_config, vision_processor_config, write_json
-from genai_config.processors import DEFAULT_DYNAMIC_HD
 
 BUILD_ORDER = (Component.VISION, Component.SPEECH, Component.EMBEDDING, Component.DECODER)
 COMPONENT_MODULES = {c: f"builder_plugin.components.{c.value}" for c in Component}
@@ -99,29 +98,6 @@ def validate_options(options: BuildOptions, config: Phi4MMConfig) -> None:
             raise InputError(f"--max-length {options.max_length} exceeds the model's context length {context}")
 
 
-@dataclass(frozen=True)
-class RuntimeConfigInputs:
-    """What the runtime configs take from the checkpoint folder besides config.json, read before any graph."""
-
-    generation: dict[str, Any]  # generation_config.json (sampling defaults), or empty
-    dynamic_hd: int  # preprocessor_config.json: the most crops of one image
-
-    @classmethod
-    def read(cls, model_dir: Path) -> RuntimeConfigInputs:
-        generation: dict[str, Any] = {}
-        if (model_dir / "generation_config.json").is_file():
-            generation = read_json(model_dir / "generation_config.json", what="generation config")
-        preprocessor: dict[str, Any] = {}
-        path = model_dir / "preprocessor_config.json"
-        if path.is_file():
-            preprocessor = read_json(path, what="preprocessor config")
-        dynamic_hd = preprocessor.get("dynamic_hd", DEFAULT_DYNAMIC_HD)
-        try:
-            return cls(generation, int(dynamic_hd))
-        except (TypeError, ValueError):
-            raise InputError(f"preprocessor config {path}: dynamic_hd must be an integer, got {dynamic_hd!r}") from None
-
-
 def check_tokenizer(model_dir: Path) -> None:
     path = model_dir / TOKENIZER_FILE
     if not path.is_file():
@@ -155,7 +131,6 @@ def build(options: BuildOptions, progress: bool = True) -> BuildResult:
     check_tokenizer(options.model_dir)
     components = [c for c in BUILD_ORDER if c in options.components]
     runnable = set(components) >= RUNNABLE_MINIMUM
-    runtime_inputs = RuntimeConfigInputs.read(options.model_dir) if runnable else None
     weights = route_weights(CheckpointReader(options.model_dir, config.source_format), config)
     classes = {c: builder_class(c) for c in components}
 
@@ -181,8 +156,7 @@ def build(options: BuildOptions, progress: bool = True) -> BuildResult:
             filenames[component] = GRAPH_FILES[component]
             runtime = output.runtime or runtime
         if runnable:
-            _write_runtime_configs(staging, config, options, specs, filenames, runtime, runtime_inputs,
-                                   prepacking)
+            _write_runtime_configs(staging, config, options, specs, filenames, runtime, prepacking)
         else:  # graphs only: no runtime manifest, but still where the package came from
             provenance = provenance_json(options.source_record, options.provenance())
             write_json(staging / MANIFEST_FILE, {"format": FORMAT_VERSION, **provenance})
@@ -205,14 +179,13 @@ def build(options: BuildOptions, progress: bool = True) -> BuildResult:
 
 def _write_runtime_configs(folder: Path, config: Phi4MMConfig, options: BuildOptions,
                            specs: dict[Component, IOSpec], filenames: dict[Component, str],
-                           runtime: DecoderRuntimeSettings, inputs: RuntimeConfigInputs,
-                           prepacking: Mapping[Component, bool]) -> None:
+                           runtime: DecoderRuntimeSettings, prepacking: Mapping[Component, bool]) -> None:
     genai = make_genai_config(config, specs, filenames, options.execution_provider, options.max_length,
-                              share_kv_buffer=runtime.past_present_share_buffer, generation=inputs.generation,
+                              share_kv_buffer=runtime.past_present_share_buffer, generation=config.generation,
                               provider_options=list(runtime.provider_options), prepacking=prepacking)
     write_json(folder / GENAI_CONFIG_FILE, genai)
     Manifest(runtime.decoders, runtime.routing, config.text.original_max_position_embeddings,
              source=options.source_record, builder=options.provenance()).write(folder)
-    write_json(folder / VISION_PROCESSOR_FILE, vision_processor_config(config.vision.crop_size, inputs.dynamic_hd))
+    write_json(folder / VISION_PROCESSOR_FILE, vision_processor_config(config.vision.crop_size, config.dynamic_hd))
     if Component.SPEECH in specs:
         write_json(folder / SPEECH_PROCESSOR_FILE, speech_processor_config(config.audio.compression_rate))

@@ -28,7 +28,7 @@ What is timed:
   per prompt, fewer once the prompt's prefills took --budget seconds; best and median reported.
 - decode: in the first run, each later ``generate_next_token`` (embedding + decoder step + pick) is timed on its own:
   tokens/s = 1 / median step ("median") and 1 / fastest step ("best"); the mean rate is in the JSON.
-- PyTorch: ``Reference`` (builder_plugin.testing.reference) with the input mode's LoRA merged into the weights (done
+- PyTorch: ``Reference`` (builder_plugin.reference) with the input mode's LoRA merged into the weights (done
   before timing, like loading a decoder variant); prefill = image/audio features + embeddings + a KV-cached forward
   computing the last position's logits only; decode = one-token cached steps.
 - encoders alone for --encoder-prompts: the vision / speech ONNX graph of the fp32 and the int4 package (plain

@@ -19,8 +19,8 @@ import onnxruntime_genai as og
 import pytest
 
 from builder_plugin.layout import MAIN_DECODER
+from builder_plugin.reference.model import GreedyResult, Reference
 from builder_plugin.runtime import Chat, Generation, Turn, build_prompt
-from builder_plugin.testing.reference import GreedyResult, Reference
 
 REPO = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 16

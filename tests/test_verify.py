@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from builder_plugin.layout import GRAPH_FILES, MAIN_DECODER, Component
-from builder_plugin.testing.reference import Reference, encode_inputs
+from builder_plugin.reference.features import encode_inputs
+from builder_plugin.reference.model import Reference
 from builder_plugin.verify.__main__ import EXIT_MISMATCH, main, make_parser
 from builder_plugin.verify.engine import run_package
 from builder_plugin.verify.package_info import package_precisions

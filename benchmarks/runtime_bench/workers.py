@@ -178,8 +178,8 @@ def _torch_worker(job: dict[str, Any]) -> dict[str, Any]:
     import torch
     from transformers.cache_utils import DynamicCache
 
+    from builder_plugin.reference.model import Reference
     from builder_plugin.testing.processor import processor_inputs
-    from builder_plugin.testing.reference import Reference
 
     torch.set_num_threads(int(job["threads"]))
     checkpoint = Path(job["checkpoint"])

@@ -134,8 +134,8 @@ def _peak_rss_gb() -> float:
 def user_errors() -> tuple[type[Exception], ...]:
     """The errors reported in one line (torch and onnxruntime-genai are imported only once the arguments parse)."""
     from builder_plugin.errors import BuildError
+    from builder_plugin.reference.errors import ReferenceModelError
     from builder_plugin.runtime import ChatError
-    from builder_plugin.testing.reference import ReferenceModelError
     from builder_plugin.verify.engine import EngineError
     from builder_plugin.verify.package_info import ArchitectureMismatchError
     from builder_plugin.verify.prompts import MediaError

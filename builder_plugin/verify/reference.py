@@ -33,15 +33,10 @@ from builder_plugin.checkpoint.reader import CheckpointReader, TensorRef
 from builder_plugin.checkpoint.routing import AUDIO_EMBED, IMAGE_EMBED, ignored_prefixes, route_weights
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.layout import INPUT_IDS, MODE_LORA, mode_of
+from builder_plugin.reference.errors import ReferenceModelError
+from builder_plugin.reference.features import encode_audio, encode_images, scatter_features
+from builder_plugin.reference.native_config import native_config_from_dict, native_config_from_original
 from builder_plugin.spec import Component
-from builder_plugin.testing.reference import (
-    ReferenceModelError,
-    encode_audio,
-    encode_images,
-    native_config_from_dict,
-    native_config_from_original,
-    scatter_features,
-)
 
 LORA_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 LM_HEAD_ROWS = 16384  # rows of the token table per lm_head chunk: 200 MB in fp32 at the real hidden size

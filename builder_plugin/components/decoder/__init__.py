@@ -21,9 +21,10 @@ What the subclass changes:
 - The LongRoPE cos/sin caches, which the builder puts in ``If`` branches as Constant nodes inside ``model.onnx``, are
   hoisted to main-graph initializers so they go to external data and are shared between variants.
 
-The modules, by job: `variants` (which files a build makes), `weights` (lazy initializers), `tree` (the module tree
-the builder walks), `genai_builder` (the builder subclass), `passes` (graph fixes on its output), `mode_routing` (the
-self-routing decoder) and `builder` (DecoderBuilder: the component's build hooks).
+The modules, by job: `variants` (the decoder plan: which files a build makes), `weights` (lazy initializers), `tree`
+(the module tree the builder walks), `genai_builder` (the builder subclass), `lora_names` (the LoRA node names it
+writes), `passes` (graph fixes on its output), `mode_routing` (the self-routing decoder) and `builder` (DecoderBuilder:
+the component's build hooks).
 """
 
 from __future__ import annotations

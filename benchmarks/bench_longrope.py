@@ -87,7 +87,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _attention_heads(package: Path) -> int:
-    return int(json.loads((package / "genai_config.json").read_text(encoding="utf-8"))["model"]["decoder"]
+    from builder_plugin.layout import GENAI_CONFIG_FILE
+
+    return int(json.loads((package / GENAI_CONFIG_FILE).read_text(encoding="utf-8"))["model"]["decoder"]
                ["num_attention_heads"])
 
 

@@ -47,8 +47,8 @@ from common import (  # noqa: E402
     publish,
 )
 
-from builder_plugin.extra_options import DEFAULT_ALGO_CONFIG  # noqa: E402
 from builder_plugin.layout import DATA_FILES, Component  # noqa: E402
+from builder_plugin.quant.choices import DEFAULT_ALGO_CONFIG  # noqa: E402
 
 # name -> (precision, --extra_options); the names are what --choices takes
 CHOICES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -209,7 +209,8 @@ def layer_benchmark(checkpoint: Path, jobs_list: list[int], note: str) -> dict:
 
     from builder_plugin.checkpoint.reader import CheckpointReader
     from builder_plugin.config import Phi4MMConfig
-    from builder_plugin.quantize import QuantizedWeight, QuantScheme, QuantStats
+    from builder_plugin.quant.kernels import QuantScheme
+    from builder_plugin.quant.weights import QuantizedWeight, QuantStats
 
     config = Phi4MMConfig.from_dir(checkpoint)
     weight = np.ascontiguousarray(

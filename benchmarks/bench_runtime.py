@@ -28,7 +28,7 @@ What is timed:
   per prompt, fewer once the prompt's prefills took --budget seconds; best and median reported.
 - decode: in the first run, each later ``generate_next_token`` (embedding + decoder step + pick) is timed on its own:
   tokens/s = 1 / median step ("median") and 1 / fastest step ("best"); the mean rate is in the JSON.
-- PyTorch: ``Reference`` (builder_plugin.testing.reference) with the input mode's LoRA merged into the weights (done
+- PyTorch: ``Reference`` (builder_plugin.reference) with the input mode's LoRA merged into the weights (done
   before timing, like loading a decoder variant); prefill = image/audio features + embeddings + a KV-cached forward
   computing the last position's logits only; decode = one-token cached steps.
 - encoders alone for --encoder-prompts: the vision / speech ONNX graph of the fp32 and the int4 package (plain
@@ -82,6 +82,8 @@ from runtime_bench.prepare import (  # noqa: E402
 )
 from runtime_bench.report import publish  # noqa: E402
 from runtime_bench.workers import make_case, merge_runs, run_worker, worker_main  # noqa: E402
+
+from builder_plugin.layout import GENAI_CONFIG_FILE  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "runtime.json"
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -256,7 +258,7 @@ def measure_full_depth(package: Path, text: list[Prompt], args: argparse.Namespa
         return None
     package = package.resolve()
     decoder = VARIANT_FILES["text"]
-    config = json.loads((package / "genai_config.json").read_text(encoding="utf-8"))
+    config = json.loads((package / GENAI_CONFIG_FILE).read_text(encoding="utf-8"))
     graph = decode_weight_bytes(package / decoder)
     precision = "int4" if graph["quantized"] else "fp32"
     prompt = text[0]

@@ -47,11 +47,12 @@ def prompt(i: int) -> str:
 def tiny_package(work: Path) -> Path:
     """The fp32 CPU package of the tiny random checkpoint the tests use (built once into `work`)."""
     from builder_plugin.build import build
+    from builder_plugin.layout import GENAI_CONFIG_FILE
     from builder_plugin.options import BuildOptions
     from builder_plugin.testing.make_checkpoint import make_checkpoint
 
     package = work / "tiny-package"
-    if not (package / "genai_config.json").is_file():
+    if not (package / GENAI_CONFIG_FILE).is_file():
         checkpoint = make_checkpoint(work / "tiny-checkpoint", preset="tiny", seed=0)
         build(BuildOptions(model_dir=checkpoint, output_dir=package, precision="fp32", execution_provider="cpu",
                            max_length=4096, overwrite=True), progress=False)

@@ -35,11 +35,11 @@ from builder_plugin.checkpoint.routing import route_weights  # noqa: E402
 from builder_plugin.components.speech import SPEECH_FILENAME, SpeechBuilder  # noqa: E402
 from builder_plugin.config import Phi4MMConfig  # noqa: E402
 from builder_plugin.options import BuildOptions  # noqa: E402
+from builder_plugin.reference.model import Reference  # noqa: E402
 from builder_plugin.spec import Component  # noqa: E402
 from builder_plugin.testing.make_checkpoint import make_checkpoint  # noqa: E402
 from builder_plugin.testing.media import make_wav  # noqa: E402
 from builder_plugin.testing.processor import processor_inputs  # noqa: E402
-from builder_plugin.testing.reference import Reference  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "speech.json"
 SPEECH_MODE = 2

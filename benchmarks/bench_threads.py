@@ -50,6 +50,7 @@ from common import (
 )
 from runtime_bench.decoder_graph import decode_weight_bytes
 
+from builder_plugin.layout import GENAI_CONFIG_FILE
 from builder_plugin.runtime.threads import SPINNING_KEY
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -176,7 +177,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     settings = SETTINGS + ((SPIN,) if args.spin_setting else ())
     packages: dict[str, Any] = {}
     for package in args.packages:
-        config = json.loads((Path(package) / "genai_config.json").read_text())
+        config = json.loads((Path(package) / GENAI_CONFIG_FILE).read_text())
         decoder = Path(package) / config["model"]["decoder"]["filename"]
         packages[package] = {"layers": config["model"]["decoder"]["num_hidden_layers"],
                              "bytes": decode_weight_bytes(decoder), "runs": {s: [] for s in settings}}

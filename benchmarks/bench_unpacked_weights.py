@@ -36,8 +36,9 @@ from common import (  # noqa: E402
     publish,
 )
 
+from builder_plugin.layout import GENAI_CONFIG_FILE  # noqa: E402
 from builder_plugin.memory import MemorySampler  # noqa: E402
-from genai_config.writer import GENAI_CONFIG_FILE, UNPACKED_WEIGHTS_ENTRIES  # noqa: E402
+from genai_config.writer import UNPACKED_WEIGHTS_ENTRIES  # noqa: E402
 
 QUESTION = "Tell me a story about a lighthouse keeper and the ships he counted."
 SETTINGS = ("as built", "prepacking everywhere")

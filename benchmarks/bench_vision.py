@@ -40,11 +40,11 @@ from builder_plugin.checkpoint.routing import route_weights  # noqa: E402
 from builder_plugin.components.vision import VISION_FILENAME, VisionBuilder  # noqa: E402
 from builder_plugin.config import Phi4MMConfig  # noqa: E402
 from builder_plugin.options import BuildOptions  # noqa: E402
+from builder_plugin.reference.model import Reference  # noqa: E402
 from builder_plugin.spec import Component  # noqa: E402
 from builder_plugin.testing.make_checkpoint import make_checkpoint  # noqa: E402
 from builder_plugin.testing.media import make_image  # noqa: E402
 from builder_plugin.testing.processor import processor_inputs  # noqa: E402
-from builder_plugin.testing.reference import Reference  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "vision.json"
 GRAPH_INPUTS = ("pixel_values", "image_attention_mask", "image_sizes")

@@ -296,11 +296,12 @@ def greedy_text_answer(package: str | Path, question: str, new_tokens: int,
     load time, prompt tokens, prefill (to the first token), the time of each later step, the tokens."""
     import onnxruntime_genai as og
 
+    from builder_plugin.layout import GENAI_CONFIG_FILE
     from builder_plugin.runtime.threads import thread_overlay
 
     started = time.perf_counter()
     config = og.Config(str(package))
-    genai_config = json.loads((Path(package) / "genai_config.json").read_text(encoding="utf-8"))
+    genai_config = json.loads((Path(package) / GENAI_CONFIG_FILE).read_text(encoding="utf-8"))
     config.overlay(json.dumps({"model": thread_overlay(genai_config, threads)}))
     model = og.Model(config)
     tokenizer = og.Tokenizer(model)

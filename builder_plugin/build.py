@@ -1,9 +1,10 @@
 """The build pipeline: checkpoint folder -> four-model phi4mm package.
 
-config.json is parsed once and every option is checked against it before any work; the checkpoint is indexed lazily and
-every tensor routed. Then each selected component runs the same steps (`build_component`): its float graph(s), each
-quantized for int4/int8, finished (the decoder's LoRA routing) and checked against the component's I/O spec, then
-written with shared external data into a staging folder that replaces the output only when everything succeeded.
+The checkpoint's config files are parsed once (Phi4MMConfig) and every option is checked against them before any work;
+the checkpoint is indexed lazily and every tensor routed. Then each selected component runs the same steps
+(`build_component`): its float graph(s), each quantized for int4/int8, finished (the decoder's LoRA routing) and
+checked against the component's I/O spec, then written with shared external data into a staging folder that replaces
+the output only when everything succeeded.
 """
 
 from __future__ import annotations
@@ -16,36 +17,35 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from builder_plugin.checkpoint.reader import CheckpointReader, TensorRef
 from builder_plugin.checkpoint.routing import route_weights
 from builder_plugin.components.base import BUILDERS, BuildOutput, ComponentBuilder, DecoderRuntimeSettings
 from builder_plugin.config import Phi4MMConfig, read_json
 from builder_plugin.errors import BuildError, InputError
-from builder_plugin.layout import DATA_FILES, GRAPH_FILES
+from builder_plugin.layout import (
+    DATA_FILES,
+    GENAI_CONFIG_FILE,
+    GENERATION_CONFIG_FILE,
+    GRAPH_FILES,
+    MANIFEST_FILE,
+    RUNNABLE_MINIMUM,
+    SPEECH_PROCESSOR_FILE,
+    TOKENIZER_FILE,
+    TOKENIZER_FILES,
+    VISION_PROCESSOR_FILE,
+)
 from builder_plugin.options import LORA_ADAPTERS, BuildOptions
 from builder_plugin.package import OutputFolder, PackageWriter
-from builder_plugin.quantize import QuantizationCache, wants_prepacking
-from builder_plugin.runtime.manifest import FORMAT_VERSION, MANIFEST_FILE, Manifest, provenance_json
+from builder_plugin.quant.matmul import wants_prepacking
+from builder_plugin.quant.weights import QuantizationCache
+from builder_plugin.runtime.manifest import FORMAT_VERSION, Manifest, provenance_json
 from builder_plugin.spec import Component, IOSpec, check_io
-from genai_config import (
-    GENAI_CONFIG_FILE,
-    SPEECH_PROCESSOR_FILE,
-    VISION_PROCESSOR_FILE,
-    make_genai_config,
-    speech_processor_config,
-    vision_processor_config,
-    write_json,
-)
-from genai_config.processors import DEFAULT_DYNAMIC_HD
+from genai_config import make_genai_config, speech_processor_config, vision_processor_config, write_json
 
 BUILD_ORDER = (Component.VISION, Component.SPEECH, Component.EMBEDDING, Component.DECODER)
 COMPONENT_MODULES = {c: f"builder_plugin.components.{c.value}" for c in Component}
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-                   "generation_config.json")
-# The runtime needs these three graphs to load a phi4mm package at all; speech is optional.
-RUNNABLE_MINIMUM = frozenset({Component.VISION, Component.EMBEDDING, Component.DECODER})
+COPIED_FILES = (*TOKENIZER_FILES, GENERATION_CONFIG_FILE)  # from the checkpoint into the package, as they are
 
 
 @dataclass
@@ -77,7 +77,7 @@ def builder_class(component: Component) -> type[ComponentBuilder]:
 
 def validate_options(options: BuildOptions, config: Phi4MMConfig) -> None:
     """Every check of the options, against each other and against the checkpoint's config, made before any work:
-    each refusal is one InputError line. (The decoder keeps defensive checks of its own, never reached from here.)"""
+    each refusal is one InputError line. The builders rely on it: none checks the options again."""
     options.extra  # noqa: B018  - parses every --extra_options key (block_size too), raising InputError on a bad one
     if options.lora not in LORA_ADAPTERS:
         raise InputError(f"unknown --lora choice {options.lora!r}; choose from {', '.join(LORA_ADAPTERS)}")
@@ -98,31 +98,8 @@ def validate_options(options: BuildOptions, config: Phi4MMConfig) -> None:
             raise InputError(f"--max-length {options.max_length} exceeds the model's context length {context}")
 
 
-@dataclass(frozen=True)
-class RuntimeConfigInputs:
-    """What the runtime configs take from the checkpoint folder besides config.json, read before any graph."""
-
-    generation: dict[str, Any]  # generation_config.json (sampling defaults), or empty
-    dynamic_hd: int  # preprocessor_config.json: the most crops of one image
-
-    @classmethod
-    def read(cls, model_dir: Path) -> RuntimeConfigInputs:
-        generation: dict[str, Any] = {}
-        if (model_dir / "generation_config.json").is_file():
-            generation = read_json(model_dir / "generation_config.json", what="generation config")
-        preprocessor: dict[str, Any] = {}
-        path = model_dir / "preprocessor_config.json"
-        if path.is_file():
-            preprocessor = read_json(path, what="preprocessor config")
-        dynamic_hd = preprocessor.get("dynamic_hd", DEFAULT_DYNAMIC_HD)
-        try:
-            return cls(generation, int(dynamic_hd))
-        except (TypeError, ValueError):
-            raise InputError(f"preprocessor config {path}: dynamic_hd must be an integer, got {dynamic_hd!r}") from None
-
-
 def check_tokenizer(model_dir: Path) -> None:
-    path = model_dir / "tokenizer.json"
+    path = model_dir / TOKENIZER_FILE
     if not path.is_file():
         raise InputError(f"tokenizer not found: {path}")
     try:
@@ -154,7 +131,6 @@ def build(options: BuildOptions, progress: bool = True) -> BuildResult:
     check_tokenizer(options.model_dir)
     components = [c for c in BUILD_ORDER if c in options.components]
     runnable = set(components) >= RUNNABLE_MINIMUM
-    runtime_inputs = RuntimeConfigInputs.read(options.model_dir) if runnable else None
     weights = route_weights(CheckpointReader(options.model_dir, config.source_format), config)
     classes = {c: builder_class(c) for c in components}
 
@@ -169,8 +145,7 @@ def build(options: BuildOptions, progress: bool = True) -> BuildResult:
         for step, component in enumerate(components, 1):
             if progress:
                 print(f"[{step}/{len(components)}] {component.value}: building the graph", file=sys.stderr, flush=True)
-            builder = classes[component](config, options)
-            builder.quant_cache = quant_cache
+            builder = classes[component](config, options, quant_cache)
             output = build_component(builder, weights[component])
             wanted = {wants_prepacking(model) for model in output.graphs.values()} - {None}
             if wanted:
@@ -181,12 +156,11 @@ def build(options: BuildOptions, progress: bool = True) -> BuildResult:
             filenames[component] = GRAPH_FILES[component]
             runtime = output.runtime or runtime
         if runnable:
-            _write_runtime_configs(staging, config, options, specs, filenames, runtime, runtime_inputs,
-                                   prepacking)
+            _write_runtime_configs(staging, config, options, specs, filenames, runtime, prepacking)
         else:  # graphs only: no runtime manifest, but still where the package came from
             provenance = provenance_json(options.source_record, options.provenance())
             write_json(staging / MANIFEST_FILE, {"format": FORMAT_VERSION, **provenance})
-        for name in TOKENIZER_FILES:
+        for name in COPIED_FILES:
             if (options.model_dir / name).is_file():
                 shutil.copy(options.model_dir / name, staging / name)
         files = sorted((p.name, p.stat().st_size) for p in staging.iterdir() if p.is_file())
@@ -205,14 +179,13 @@ def build(options: BuildOptions, progress: bool = True) -> BuildResult:
 
 def _write_runtime_configs(folder: Path, config: Phi4MMConfig, options: BuildOptions,
                            specs: dict[Component, IOSpec], filenames: dict[Component, str],
-                           runtime: DecoderRuntimeSettings, inputs: RuntimeConfigInputs,
-                           prepacking: Mapping[Component, bool]) -> None:
+                           runtime: DecoderRuntimeSettings, prepacking: Mapping[Component, bool]) -> None:
     genai = make_genai_config(config, specs, filenames, options.execution_provider, options.max_length,
-                              share_kv_buffer=runtime.past_present_share_buffer, generation=inputs.generation,
+                              share_kv_buffer=runtime.past_present_share_buffer, generation=config.generation,
                               provider_options=list(runtime.provider_options), prepacking=prepacking)
     write_json(folder / GENAI_CONFIG_FILE, genai)
     Manifest(runtime.decoders, runtime.routing, config.text.original_max_position_embeddings,
              source=options.source_record, builder=options.provenance()).write(folder)
-    write_json(folder / VISION_PROCESSOR_FILE, vision_processor_config(config.vision.crop_size, inputs.dynamic_hd))
+    write_json(folder / VISION_PROCESSOR_FILE, vision_processor_config(config.vision.crop_size, config.dynamic_hd))
     if Component.SPEECH in specs:
         write_json(folder / SPEECH_PROCESSOR_FILE, speech_processor_config(config.audio.compression_rate))

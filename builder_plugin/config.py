@@ -1,8 +1,10 @@
 """Phi-4-multimodal configuration, parsed once from a checkpoint folder.
 
 Two input layouts are accepted: the original Hugging Face release (model_type ``phi4mm``, remote-code config keys) and
-the transformers-native port (model_type ``phi4_multimodal``). Both are reduced to the same frozen dataclasses, so no
-other module reads ``config.json``.
+the transformers-native port (model_type ``phi4_multimodal``). Both are reduced to the same frozen dataclasses. This is
+the one reader of the checkpoint's JSON files: ``config.json`` (also for the hub's first look,
+`Phi4MMConfig.layout_of`), ``generation_config.json`` (eos ids, sampling defaults), ``preprocessor_config.json`` (the
+most crops of one image) and a native layout's adapter configs.
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ from typing import Any
 
 from builder_plugin.config_fields import Check, Field, Layout, as_stored, read_fields
 from builder_plugin.errors import InputError, UnsupportedModelError
+from builder_plugin.layout import AUDIO_TOKEN_ID, GENERATION_CONFIG_FILE, IMAGE_TOKEN_ID
 
-IMAGE_TOKEN_ID = 200010  # <|endoftext10|>; hard-coded in onnxruntime-genai's phi4mm processor
-AUDIO_TOKEN_ID = 200011  # <|endoftext11|>
 ENDOFTEXT_TOKEN_ID = 199999  # <|endoftext|>: bos, pad and eos when config.json names none
+DEFAULT_DYNAMIC_HD = 36  # the most HD crops of one image, as in the original preprocessor_config.json
+
+CONFIG_FILE = "config.json"
+PREPROCESSOR_CONFIG_FILE = "preprocessor_config.json"
 
 ORIGINAL_MODEL_TYPE = "phi4mm"
 NATIVE_MODEL_TYPE = "phi4_multimodal"
@@ -173,25 +178,55 @@ class Phi4MMConfig:
     eos_token_ids: tuple[int, ...]
     image_token_id: int
     audio_token_id: int
+    generation: dict[str, Any] = field(default_factory=dict, compare=False)  # generation_config.json, or empty
+    dynamic_hd: int = DEFAULT_DYNAMIC_HD  # preprocessor_config.json: the most crops of one image
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Phi4MMConfig:
         model_dir = Path(model_dir)
-        raw = read_json(model_dir / "config.json", what="model config")
-        model_type = raw.get("model_type")
-        if model_type == ORIGINAL_MODEL_TYPE:
+        raw = read_json(model_dir / CONFIG_FILE, what="model config")
+        if _layout(raw, str(model_dir)) == "original":
             cfg = _from_original(raw)
-        elif model_type == NATIVE_MODEL_TYPE:
-            cfg = _from_native(raw, model_dir)
         else:
-            arch = (raw.get("architectures") or ["?"])[0]
-            raise UnsupportedModelError(
-                f"{model_dir} is not a Phi-4-multimodal checkpoint (model_type {model_type!r}, architecture {arch!r}); "
-                f"expected model_type {ORIGINAL_MODEL_TYPE!r} or {NATIVE_MODEL_TYPE!r}"
-            )
-        eos = _generation_eos(model_dir) or cfg.eos_token_ids
-        return replace(cfg, eos_token_ids=tuple(eos), raw=raw)
+            cfg = _from_native(raw, model_dir)
+        generation = _optional_json(model_dir / GENERATION_CONFIG_FILE, "generation config")
+        eos = _ids(generation.get("eos_token_id")) or cfg.eos_token_ids
+        return replace(cfg, eos_token_ids=tuple(eos), generation=generation, dynamic_hd=_dynamic_hd(model_dir),
+                       raw=raw)
+
+    @staticmethod
+    def layout_of(model_dir: str | Path, label: str | None = None) -> CheckpointFormat:
+        """The layout config.json declares, for a first look before the rest is read (the hub's); InputError if it
+        is unreadable, UnsupportedModelError naming `label` (default: the folder) for another model."""
+        model_dir = Path(model_dir)
+        return _layout(read_json(model_dir / CONFIG_FILE, what="model config"), label or str(model_dir))
+
+
+def _layout(raw: dict[str, Any], label: str) -> CheckpointFormat:
+    model_type = raw.get("model_type")
+    if model_type == ORIGINAL_MODEL_TYPE:
+        return "original"
+    if model_type == NATIVE_MODEL_TYPE:
+        return "native"
+    arch = (raw.get("architectures") or ["?"])[0]
+    raise UnsupportedModelError(
+        f"{label} is not a Phi-4-multimodal checkpoint (model_type {model_type!r}, architecture {arch!r}); "
+        f"expected model_type {ORIGINAL_MODEL_TYPE!r} or {NATIVE_MODEL_TYPE!r}"
+    )
+
+
+def _optional_json(path: Path, what: str) -> dict[str, Any]:
+    return read_json(path, what=what) if path.is_file() else {}
+
+
+def _dynamic_hd(model_dir: Path) -> int:
+    path = model_dir / PREPROCESSOR_CONFIG_FILE
+    dynamic_hd = _optional_json(path, "preprocessor config").get("dynamic_hd", DEFAULT_DYNAMIC_HD)
+    try:
+        return int(dynamic_hd)
+    except (TypeError, ValueError):
+        raise InputError(f"preprocessor config {path}: dynamic_hd must be an integer, got {dynamic_hd!r}") from None
 
 
 def read_json(path: Path, what: str) -> dict[str, Any]:
@@ -386,10 +421,3 @@ def _from_native(raw: dict[str, Any], model_dir: Path) -> Phi4MMConfig:
 
     sections = {"config": raw, "text": text, "rope": rope, "vision": raw.get("vision_config") or {}}
     return _parse("native", sections, lambda: raw.get("audio_config") or {}, read_loras)
-
-
-def _generation_eos(model_dir: Path) -> tuple[int, ...]:
-    path = model_dir / "generation_config.json"
-    if not path.is_file():
-        return ()
-    return _ids(read_json(path, what="generation config").get("eos_token_id"))

@@ -22,22 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from builder_plugin.config import NATIVE_ADAPTER_DIRS, NATIVE_MODEL_TYPE, ORIGINAL_MODEL_TYPE
+from builder_plugin.config import CONFIG_FILE, NATIVE_ADAPTER_DIRS, PREPROCESSOR_CONFIG_FILE, Phi4MMConfig
 from builder_plugin.errors import InputError, UnsupportedModelError
+from builder_plugin.layout import GENERATION_CONFIG_FILE, TOKENIZER_FILES
 from builder_plugin.units import human
 
-CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_WEIGHTS_FILE = "model.safetensors"
-METADATA_FILES = (
-    "generation_config.json",
-    "preprocessor_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    INDEX_FILE,
-)
+METADATA_FILES = (GENERATION_CONFIG_FILE, PREPROCESSOR_CONFIG_FILE, *TOKENIZER_FILES, INDEX_FILE)
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # each native adapter folder's two files
 DEFAULT_REVISION = "main"
 RETRY_DELAYS_S = (1.0, 2.0)  # a failed hub call is tried len + 1 times
@@ -127,15 +119,16 @@ def weight_files(folder: Path, exists: Callable[[str], bool]) -> list[str]:
             raise InputError(f"cannot read the weight index {index}: {exc}") from exc
     else:
         shards = [SINGLE_WEIGHTS_FILE]
-    if _model_type(folder) == NATIVE_MODEL_TYPE:  # the original layout has its LoRA inline; the native one in folders
+    if _layout(folder) == "native":  # the original layout has its LoRA inline; the native one in folders
         shards += [f"{d}/{ADAPTER_FILES[1]}" for d in NATIVE_ADAPTER_DIRS.values() if exists(f"{d}/{ADAPTER_FILES[0]}")]
     return shards
 
 
-def _model_type(folder: Path) -> str | None:
+def _layout(folder: Path) -> str | None:
+    """The checkpoint layout, None when config.json is missing or not Phi-4-multimodal (refused later, in one line)."""
     try:
-        return json.loads((folder / CONFIG_FILE).read_text(encoding="utf-8")).get("model_type")
-    except (OSError, ValueError, AttributeError):
+        return Phi4MMConfig.layout_of(folder)
+    except (InputError, UnsupportedModelError):
         return None
 
 
@@ -190,16 +183,13 @@ class _HubModel:
         config = Path(self.download(CONFIG_FILE))
         folder = config.parent
         cached = self.storage / "snapshots" / str(self.commit)  # = folder, but for a dry run
-        model_type = _model_type(folder)
-        if model_type not in (ORIGINAL_MODEL_TYPE, NATIVE_MODEL_TYPE):
-            arch = (json.loads(config.read_text(encoding="utf-8")).get("architectures") or ["?"])[0]
-            raise UnsupportedModelError(
-                f"{self.label} is not a Phi-4-multimodal checkpoint (model_type {model_type!r}, architecture "
-                f"{arch!r}); expected model_type {ORIGINAL_MODEL_TYPE!r} or {NATIVE_MODEL_TYPE!r}; no weights "
-                "were downloaded")
+        try:
+            layout = Phi4MMConfig.layout_of(folder, self.label)
+        except UnsupportedModelError as exc:
+            raise UnsupportedModelError(f"{exc}; no weights were downloaded") from None
         wanted = list(METADATA_FILES)
         essential = {INDEX_FILE}  # what a dry run needs: the weight list and, native, the adapters' settings
-        if model_type == NATIVE_MODEL_TYPE:
+        if layout == "native":
             essential |= {f"{d}/{ADAPTER_FILES[0]}" for d in NATIVE_ADAPTER_DIRS.values()}
             wanted += sorted(essential - {INDEX_FILE})
         metadata = [SourceFile(CONFIG_FILE, config.stat().st_size, (cached / CONFIG_FILE).is_file())]

@@ -1,7 +1,8 @@
-"""The package layout, stated once: the components, the file each one is written to, and the input modes.
+"""The package layout, stated once: the components, the files a package holds, the tensors one graph hands
+another, and the input modes.
 
 Standard library only, so the app helper (`builder_plugin.runtime`, which needs nothing but onnxruntime-genai) reads
-the same names as the builder, the genai_config writer and the benchmarks.
+the same names as the builder, the genai_config writer, verify and the benchmarks.
 """
 
 from __future__ import annotations
@@ -38,9 +39,45 @@ DATA_FILES: dict[Component, str] = {
 
 MAIN_DECODER = GRAPH_FILES[Component.DECODER]
 
-# The input mode of a conversation, as the original model chooses its LoRA: any image -> "vision" (also with audio),
-# else audio -> "speech", else "text". In this order manifest.json lists the decoder of each mode.
+# The runtime needs these three graphs to load a phi4mm package at all; speech is optional. A build of fewer writes
+# the graphs only (no runtime configuration).
+RUNNABLE_MINIMUM = frozenset({Component.VISION, Component.EMBEDDING, Component.DECODER})
+
+# The runtime configuration files a runnable package holds.
+GENAI_CONFIG_FILE = "genai_config.json"
+VISION_PROCESSOR_FILE = "vision_processor.json"
+SPEECH_PROCESSOR_FILE = "speech_processor.json"
+MANIFEST_FILE = "manifest.json"  # also in a graphs-only package: where it came from
+# The tokenizer files the runtime reads, copied from the checkpoint as they are.
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_FILES: tuple[str, ...] = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json",
+                                    "added_tokens.json")
+# Copied besides them: the checkpoint's sampling defaults, for an app to read (genai_config.json states them too).
+GENERATION_CONFIG_FILE = "generation_config.json"
+
+# The tensors one graph hands another, and the runtime's names for what it feeds and reads.
+INPUT_IDS = "input_ids"  # token ids with the media placeholders: the embedding's input (and a routed decoder's)
+IMAGE_FEATURES = "image_features"  # vision -> embedding
+AUDIO_FEATURES = "audio_features"  # speech -> embedding
+INPUTS_EMBEDS = "inputs_embeds"  # embedding -> decoder
+LOGITS = "logits"  # the decoder's output the runtime samples from
+
+# The input mode of a conversation, as the original model chooses its LoRA (`mode_of`). In this order manifest.json
+# lists the decoder of each mode.
 INPUT_MODES: tuple[str, ...] = ("text", "vision", "speech")
+# The LoRA adapter the original model runs in each input mode ("none": the base weights).
+MODE_LORA: dict[str, str] = {"text": "none", "vision": "vision", "speech": "speech"}
+
+# The placeholder ids of one image-feature row / one audio-feature row in `input_ids`: onnxruntime-genai's phi4mm
+# processor expands these fixed ids (<|endoftext10|>, <|endoftext11|>), and a checkpoint that states none has them.
+IMAGE_TOKEN_ID = 200010
+AUDIO_TOKEN_ID = 200011
+
+
+def mode_of(has_image: bool, has_audio: bool) -> str:
+    """The input mode of a conversation: any image -> vision (also with audio), else audio -> speech, else text."""
+    return "vision" if has_image else "speech" if has_audio else "text"
+
 
 # The decoder file of each input mode in a split build (--lora split): one file per mode, base weights shared.
 SPLIT_DECODERS: dict[str, str] = {

@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
-from builder_plugin.extra_options import DEFAULT_ALGO_CONFIG, QUANTIZED_PRECISIONS, check_extra_options
 from builder_plugin.layout import Component
+from builder_plugin.precisions import QUANTIZED_PRECISIONS, ExecutionProvider, Precision, io_dtype
+from builder_plugin.quant.choices import DEFAULT_ALGO_CONFIG
+from builder_plugin.quant.extra_options import check_extra_options
 
-Precision = Literal["fp32", "fp16", "int4", "int8"]
-ExecutionProvider = Literal["cpu", "cuda", "dml", "webgpu"]
 LoraChoice = Literal["routed", "split", "vision", "speech", "none", "vision+speech"]
 
-PRECISIONS: tuple[str, ...] = ("fp32", "fp16", "int4", "int8")
-EXECUTION_PROVIDERS: tuple[str, ...] = ("cpu", "cuda", "dml", "webgpu")
 # The LoRA adapters each --lora choice puts into the decoder(s).
 LORA_ADAPTERS: dict[str, tuple[str, ...]] = {
     "routed": ("vision", "speech"),
@@ -65,18 +64,17 @@ class BuildOptions:
     @property
     def io_dtype(self) -> str:
         """Graph I/O dtype, as the GenAI builder chooses it: fp32 for fp32 builds and CPU int4/int8, else fp16."""
-        if self.precision == "fp32" or (self.quantize and self.execution_provider == "cpu"):
-            return "float32"
-        return "float16"
+        return io_dtype(self.precision, self.execution_provider)
 
     @property
     def weight_dtype(self) -> str:
         """Float dtype of weights that stay unquantized."""
         return "float32" if self.precision == "fp32" else self.io_dtype
 
-    @property
+    @cached_property
     def extra(self) -> dict[str, Any]:
-        """--extra_options parsed, with their defaults (extra_options.EXTRA_OPTIONS)."""
+        """--extra_options parsed (once), with their defaults (quant.extra_options.EXTRA_OPTIONS); InputError for a
+        bad key or value."""
         return check_extra_options(self.extra_options, self.precision)
 
     @property

@@ -18,7 +18,7 @@ import onnx_ir as ir
 from tqdm import tqdm
 
 from builder_plugin.errors import OutputError
-from builder_plugin.quantize import QuantizedPiece, work_estimate
+from builder_plugin.quant.weights import QuantizedPiece, work_estimate
 
 INLINE_LIMIT_BYTES = 1024  # smaller initializers (shape constants, scalars) stay inside the .onnx file
 _ALIGNMENT = 64

@@ -1,17 +1,9 @@
 """Writers for the runtime configuration files of a phi4mm package (genai_config.json, processor configs)."""
 
-from genai_config.processors import (
-    SPEECH_PROCESSOR_FILE,
-    VISION_PROCESSOR_FILE,
-    speech_processor_config,
-    vision_processor_config,
-)
-from genai_config.writer import GENAI_CONFIG_FILE, default_max_length, make_genai_config, write_json
+from genai_config.processors import speech_processor_config, vision_processor_config
+from genai_config.writer import default_max_length, make_genai_config, write_json
 
 __all__ = [
-    "GENAI_CONFIG_FILE",
-    "SPEECH_PROCESSOR_FILE",
-    "VISION_PROCESSOR_FILE",
     "default_max_length",
     "make_genai_config",
     "speech_processor_config",

@@ -8,10 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-VISION_PROCESSOR_FILE = "vision_processor.json"
-SPEECH_PROCESSOR_FILE = "speech_processor.json"
-
-DEFAULT_DYNAMIC_HD = 36  # maximum number of HD crops, as in the original preprocessor_config.json
+from builder_plugin.config import DEFAULT_DYNAMIC_HD
 
 
 def vision_processor_config(crop_size: int, dynamic_hd: int = DEFAULT_DYNAMIC_HD) -> dict[str, Any]:

@@ -13,10 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from builder_plugin.config import Phi4MMConfig
+from builder_plugin.layout import INPUT_IDS, LOGITS, RUNNABLE_MINIMUM, SPEECH_PROCESSOR_FILE, VISION_PROCESSOR_FILE
 from builder_plugin.spec import Component, IOSpec, TensorSpec
-from genai_config.processors import SPEECH_PROCESSOR_FILE, VISION_PROCESSOR_FILE
-
-GENAI_CONFIG_FILE = "genai_config.json"
 
 # KV buffer per token for the real model is 256 KiB in fp32; this keeps the preallocated cache at a few GiB while
 # leaving room for the largest single image (~9.6k tokens) plus an answer.
@@ -77,12 +75,12 @@ def make_genai_config(
     defaults to PROVIDER_OPTIONS[execution_provider]; the build passes the decoder builder's own. `prepacking` says
     which components' graphs want onnxruntime's CPU prepacking (True: MatMulNBits) and which run unpacked (False: all
     MatMul weights float; on cpu their sessions get UNPACKED_WEIGHTS_ENTRIES); the others follow the decoder's."""
-    for needed in (Component.DECODER, Component.EMBEDDING, Component.VISION):
-        if needed not in specs:
-            raise ValueError(f"a phi4mm package needs the {needed.value} model")
+    missing = [c.value for c in Component if c in RUNNABLE_MINIMUM and c not in specs]
+    if missing:
+        raise ValueError(f"a phi4mm package needs the {' and '.join(missing)} model")
     text = config.text
     decoder = specs[Component.DECODER]
-    logits = decoder.output("logits")
+    logits = decoder.output(LOGITS)
     vocab = logits.shape[-1] if isinstance(logits.shape[-1], int) else text.vocab_size
     if provider_options is None:
         provider_options = PROVIDER_OPTIONS[execution_provider]
@@ -126,7 +124,7 @@ def make_genai_config(
         if component in specs and own != model["decoder"]["session_options"]:
             model[component.value] = {"session_options": own, **model[component.value]}
     embedding_ids = specs[Component.EMBEDDING].inputs[0].name
-    if embedding_ids != model["decoder"]["inputs"].get("input_ids", "input_ids"):
+    if embedding_ids != model["decoder"]["inputs"].get(INPUT_IDS, INPUT_IDS):
         raise ValueError("the embedding graph must take its ids under the decoder's input_ids name")
 
     gen = dict(generation or {})

@@ -73,7 +73,7 @@ def tiny_weights(tiny_checkpoint: Path, tiny_config: Phi4MMConfig):
 
 @pytest.fixture(scope="session")
 def reference(tiny_checkpoint: Path):
-    from builder_plugin.testing.reference import Reference
+    from builder_plugin.reference.model import Reference
 
     return Reference.load(tiny_checkpoint)
 
@@ -95,7 +95,7 @@ def media_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def native_reference(tiny_native_checkpoint: Path):
-    from builder_plugin.testing.reference import Reference
+    from builder_plugin.reference.model import Reference
 
     return Reference.load(tiny_native_checkpoint)
 

@@ -8,6 +8,7 @@ from pathlib import Path
 import onnxruntime_genai as og
 
 from builder_plugin import cli
+from builder_plugin.layout import GENAI_CONFIG_FILE, GRAPH_FILES, SPEECH_PROCESSOR_FILE, Component
 
 
 def test_package_without_speech_loads_and_answers(tmp_path: Path, tiny_checkpoint: Path, media_dir: Path) -> None:
@@ -15,8 +16,8 @@ def test_package_without_speech_loads_and_answers(tmp_path: Path, tiny_checkpoin
     assert cli.main(["-i", str(tiny_checkpoint), "-o", str(out), "-p", "fp32", "--components", "vision,text",
                      "--lora", "none", "--no-progress", "--max-length", "2048"]) == 0
     files = {p.name for p in out.iterdir()}
-    assert "phi-4-mm-speech.onnx" not in files and "speech_processor.json" not in files
-    config = json.loads((out / "genai_config.json").read_text())
+    assert GRAPH_FILES[Component.SPEECH] not in files and SPEECH_PROCESSOR_FILE not in files
+    config = json.loads((out / GENAI_CONFIG_FILE).read_text())
     assert config["model"]["speech"] == {"config_filename": ""} and config["search"]["max_length"] == 2048
     model = og.Model(str(out))
     processor = model.create_multimodal_processor()
@@ -35,5 +36,5 @@ def test_graph_subset_writes_no_runtime_config(tmp_path: Path, tiny_checkpoint: 
     out = tmp_path / "speech-only"
     assert cli.main(["-i", str(tiny_checkpoint), "-o", str(out), "-p", "fp32", "--components", "speech",
                      "--no-progress"]) == 0
-    assert (out / "phi-4-mm-speech.onnx").is_file() and not (out / "genai_config.json").exists()
+    assert (out / GRAPH_FILES[Component.SPEECH]).is_file() and not (out / GENAI_CONFIG_FILE).exists()
     assert "graphs only" in capsys.readouterr().out

@@ -10,12 +10,12 @@ import onnx
 import pytest
 
 from builder_plugin.components.decoder import DecoderBuilder
-from builder_plugin.components.embedding import INPUTS_EMBEDS, TRANSPOSED_TOKEN_TABLE, EmbeddingBuilder
-from builder_plugin.components.speech import AUDIO_FEATURES, SpeechBuilder
-from builder_plugin.components.vision import IMAGE_FEATURES, VisionBuilder
-from builder_plugin.layout import GRAPH_FILES
+from builder_plugin.components.embedding import TRANSPOSED_TOKEN_TABLE, EmbeddingBuilder
+from builder_plugin.components.speech import SpeechBuilder
+from builder_plugin.components.vision import VisionBuilder
+from builder_plugin.layout import AUDIO_FEATURES, GRAPH_FILES, IMAGE_FEATURES, INPUTS_EMBEDS
 from builder_plugin.options import BuildOptions
-from builder_plugin.quant_plan import LM_HEAD_NODE, LM_HEAD_WEIGHT
+from builder_plugin.quant.plan import LM_HEAD_NODE, LM_HEAD_WEIGHT
 from builder_plugin.spec import Component, TensorSpec
 
 CASES = [("fp32", "cpu", "routed"), ("int4", "cpu", "routed"), ("fp32", "cpu", "split"), ("fp16", "cuda", "routed"),

@@ -18,8 +18,9 @@ import numpy as np
 import onnxruntime_genai as og
 import pytest
 
+from builder_plugin.layout import MAIN_DECODER
+from builder_plugin.reference.model import GreedyResult, Reference
 from builder_plugin.runtime import Chat, Generation, Turn, build_prompt
-from builder_plugin.testing.reference import GreedyResult, Reference
 
 REPO = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 16
@@ -117,7 +118,7 @@ def test_generator_matches_reference(request, media_dir, layout, case):
     assert (inputs["pixel_values"].shape[0] if "pixel_values" in inputs else 0) == len(images)
     assert (inputs["audio_embeds"].shape[0] if "audio_embeds" in inputs else 0) == len(audios)
     mode = Reference.mode_for(bool(images), bool(audios))
-    assert generation.variant == "phi-4-mm-text.onnx" and chat.manifest.routing == "self"
+    assert generation.variant == MAIN_DECODER and chat.manifest.routing == "self"
     assert len(generation.tokens) == NEW_TOKENS
 
     expected = reference.prefill_and_greedy(inputs, max_new_tokens=NEW_TOKENS)

@@ -4,6 +4,7 @@ from pathlib import Path
 import onnxruntime_genai as og
 import pytest
 
+from builder_plugin.layout import GENAI_CONFIG_FILE
 from builder_plugin.spec import Component
 from builder_plugin.testing.processor import stub_package, stub_specs
 from genai_config import make_genai_config, speech_processor_config, vision_processor_config
@@ -41,7 +42,7 @@ def test_runtime_loads_full_and_speechless_configs(tmp_path: Path, tiny_config, 
     cfg = make_genai_config(tiny_config, specs, {c: f"stub-{c.value}.onnx" for c in specs}, "cpu",
                             share_kv_buffer=False)
     assert cfg["model"]["speech"] == {"config_filename": ""}
-    (folder / "genai_config.json").write_text(json.dumps(cfg))
+    (folder / GENAI_CONFIG_FILE).write_text(json.dumps(cfg))
     og.Model(str(folder)).create_multimodal_processor()
 
 
@@ -84,13 +85,13 @@ def test_built_packages_unpack_exactly_their_float_graphs(tmp_path_factory, tiny
     from builder_plugin.build import build
     from builder_plugin.options import BuildOptions
 
-    fp32 = json.loads((tiny_package / "genai_config.json").read_text())["model"]
+    fp32 = json.loads((tiny_package / GENAI_CONFIG_FILE).read_text())["model"]
     assert fp32["decoder"]["session_options"]["session.disable_prepacking"] == "1"
     assert all("session_options" not in fp32[c] for c in ("vision", "speech", "embedding"))
     output = tmp_path_factory.mktemp("float-encoders") / "package"
     build(BuildOptions(model_dir=tiny_checkpoint, output_dir=output, precision="int4", lora="none",
                        quantize_encoders=False, max_length=256), progress=False)
-    int4 = json.loads((output / "genai_config.json").read_text())["model"]
+    int4 = json.loads((output / GENAI_CONFIG_FILE).read_text())["model"]
     assert "session.disable_prepacking" not in int4["decoder"]["session_options"]  # MatMulNBits: packed is fast
     assert int4["vision"]["session_options"]["session.disable_prepacking"] == "1"
     assert int4["speech"]["session_options"]["session.disable_prepacking"] == "1"

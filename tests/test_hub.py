@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import builder_plugin
+from builder_plugin.layout import MANIFEST_FILE
 from builder_plugin.testing.hub_server import LocalHub
 
 REPO = "org/phi4mm"
@@ -123,7 +124,7 @@ def shards(checkpoint: Path) -> set[str]:
 
 
 def manifest(package: Path) -> dict:
-    return json.loads((package / "manifest.json").read_text())
+    return json.loads((package / MANIFEST_FILE).read_text())
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,7 @@ import onnx
 import onnxruntime_genai as og
 
 from builder_plugin import cli
+from builder_plugin.layout import GRAPH_FILES, MAIN_DECODER, Component
 
 PROMPT = "<|user|>Describe what you get, in detail.<|end|><|assistant|>"
 NEW_TOKENS = 8
@@ -33,11 +34,11 @@ def _first_logits_and_tokens(package: Path) -> tuple[np.ndarray, list[int]]:
 def test_int8_package_loads_and_generates(tmp_path: Path, tiny_checkpoint: Path, tiny_package: Path) -> None:
     out = tmp_path / "int8"
     assert cli.main(["-i", str(tiny_checkpoint), "-o", str(out), "-p", "int8", "--no-progress"]) == 0
-    for name in ("phi-4-mm-text.onnx", "phi-4-mm-vision.onnx", "phi-4-mm-speech.onnx"):
+    for name in (MAIN_DECODER, GRAPH_FILES[Component.VISION], GRAPH_FILES[Component.SPEECH]):
         nodes = [n for n in onnx.load(str(out / name), load_external_data=False).graph.node
                  if n.op_type == "MatMulNBits"]
         assert nodes and {a.i for n in nodes for a in n.attribute if a.name == "bits"} == {8}, name
-    lookup = [n for n in onnx.load(str(out / "phi-4-mm-embedding.onnx")).graph.node
+    lookup = [n for n in onnx.load(str(out / GRAPH_FILES[Component.EMBEDDING])).graph.node
               if n.op_type == "GatherBlockQuantized"]
     assert [a.i for a in lookup[0].attribute if a.name == "bits"] == [8]
 

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from builder_plugin.extra_options import ALGO_CONFIGS, MIXED_SELECTORS
 from builder_plugin.options import BuildOptions
-from builder_plugin.quant_plan import QuantPlan
+from builder_plugin.quant.choices import ALGO_CONFIGS, MIXED_SELECTORS
+from builder_plugin.quant.plan import QuantPlan
 from tests.stock_quantizer import stock_builder
 
 

@@ -18,8 +18,10 @@ from onnxruntime.quantization.matmul_nbits_quantizer import (
 )
 from onnxruntime.quantization.neural_compressor.weight_only import quant_tensor, quant_tensor_k_quant_cpu
 
-import builder_plugin.quantize as quantize
-from builder_plugin.quantize import ColumnChunkedTensor, QuantizationCache, QuantScheme, quantize_matmuls
+import builder_plugin.quant.weights as quantize
+from builder_plugin.quant.kernels import QuantScheme
+from builder_plugin.quant.matmul import quantize_matmuls
+from builder_plugin.quant.weights import ColumnChunkedTensor, QuantizationCache
 
 FLOAT_TYPES = {np.float32: ir.DataType.FLOAT, np.float16: ir.DataType.FLOAT16}
 

@@ -1,8 +1,9 @@
 """Quantizing on several threads (--jobs): the same bytes as onnxruntime's own quantizer whatever the thread count.
 
-The k-quant kernel (builder_plugin.k_quant) is compared with onnxruntime's `quant_tensor_k_quant_cpu` block for block,
-on blocks made to hit its edge cases; then every algo_config of a build is compared, at 1 and 2 jobs, with the stock
-GenAI builder's own whole-graph quantization (`to_nbits`, i.e. MatMulNBitsQuantizer) of the tiny checkpoint's decoder.
+The k-quant kernel (builder_plugin.quant.k_quant) is compared with onnxruntime's `quant_tensor_k_quant_cpu` block for
+block, on blocks made to hit its edge cases; then every algo_config of a build is compared, at 1 and 2 jobs, with the
+stock GenAI builder's own whole-graph quantization (`to_nbits`, i.e. MatMulNBitsQuantizer) of the tiny checkpoint's
+decoder.
 """
 
 from __future__ import annotations
@@ -13,14 +14,15 @@ import onnx_ir as ir
 import pytest
 from onnxruntime.quantization.neural_compressor.weight_only import quant_tensor_k_quant_cpu
 
-import builder_plugin.k_quant as k_quant
+import builder_plugin.quant.k_quant as k_quant
 from builder_plugin.components.base import BuildOutput
 from builder_plugin.components.decoder import DecoderBuilder
-from builder_plugin.extra_options import ALGO_CONFIGS
 from builder_plugin.layout import SPLIT_DECODERS
 from builder_plugin.options import BuildOptions
-from builder_plugin.quant_plan import LM_HEAD_WEIGHT, QuantPlan
-from builder_plugin.quantize import QuantizationCache, quantize_matmuls
+from builder_plugin.quant.choices import ALGO_CONFIGS
+from builder_plugin.quant.matmul import quantize_matmuls
+from builder_plugin.quant.plan import LM_HEAD_WEIGHT, QuantPlan
+from builder_plugin.quant.weights import QuantizationCache
 from builder_plugin.spec import Component
 from tests.stock_quantizer import stock_to_nbits
 

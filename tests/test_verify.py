@@ -16,7 +16,9 @@ import onnx
 import pytest
 import torch
 
-from builder_plugin.testing.reference import Reference, encode_inputs
+from builder_plugin.layout import GRAPH_FILES, MAIN_DECODER, Component
+from builder_plugin.reference.features import encode_inputs
+from builder_plugin.reference.model import Reference
 from builder_plugin.verify.__main__ import EXIT_MISMATCH, main, make_parser
 from builder_plugin.verify.engine import run_package
 from builder_plugin.verify.package_info import package_precisions
@@ -61,11 +63,11 @@ def damage_vision(package: Path, out: Path) -> str:
     the external data file; returns the initializer's name."""
     out.mkdir()
     for item in package.iterdir():
-        if item.name.startswith("phi-4-mm-vision.onnx"):
+        if item.name.startswith(GRAPH_FILES[Component.VISION]):
             (out / item.name).write_bytes(item.read_bytes())
         else:
             (out / item.name).symlink_to(item)
-    model = onnx.load(str(out / "phi-4-mm-vision.onnx"), load_external_data=False)
+    model = onnx.load(str(out / GRAPH_FILES[Component.VISION]), load_external_data=False)
     external = [t for t in model.graph.initializer
                 if t.data_location == onnx.TensorProto.EXTERNAL and t.data_type == onnx.TensorProto.FLOAT]
     tensor = max(external, key=lambda t: int(np.prod(t.dims)))
@@ -93,7 +95,7 @@ def test_good_package_passes_every_mode(request, tmp_path, layout):
         assert mode["positions"] == NEW_TOKENS
         assert mode["max_relative_diff"] <= 1e-3
     variants = {c["mode"]: c["variant"] for c in data["cases"]}
-    assert variants == dict.fromkeys(MODES, "phi-4-mm-text.onnx")  # one self-routing decoder answers every mode
+    assert variants == dict.fromkeys(MODES, MAIN_DECODER)  # one self-routing decoder answers every mode
     for side in ("package", "reference"):
         assert 0 < data["peak_private_gb"][side] <= data["peak_rss_gb"]["overall"]
 
@@ -115,7 +117,7 @@ def test_wrong_variant_fails_text_and_audio(tmp_path, tmp_path_factory, tiny_che
     code, data = verify_json(tmp_path, package, tiny_checkpoint)
     assert code == EXIT_MISMATCH
     assert data["failed_modes"] == ["text", "audio"]
-    assert {c["variant"] for c in data["cases"]} == {"phi-4-mm-text.onnx"}
+    assert {c["variant"] for c in data["cases"]} == {MAIN_DECODER}
 
 
 def test_damaged_vision_weights_fail_image_modes(tmp_path, tiny_package, tiny_checkpoint):
@@ -153,7 +155,7 @@ def test_precision_is_read_from_the_graphs(tmp_path_factory, tiny_checkpoint, ti
     assert set(package_precisions(tiny_package).values()) == {"fp32"}
     int4 = build_package(tmp_path_factory, tiny_checkpoint, precision="int4", lora="none")
     precisions = package_precisions(int4)
-    assert precisions["phi-4-mm-text.onnx"] == "int4" and precisions["phi-4-mm-vision.onnx"] == "int4"
+    assert precisions[MAIN_DECODER] == "int4" and precisions[GRAPH_FILES[Component.VISION]] == "int4"
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, code: int, *needles: str) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 from common import cpu_session, peak_rss_bytes, reset_peak_rss, summarize, time_in_turn, write_json
 
-from builder_plugin.layout import GRAPH_FILES, Component
+from builder_plugin.layout import GENAI_CONFIG_FILE, GRAPH_FILES, Component
 from builder_plugin.runtime.threads import thread_overlay
 from runtime_bench import SCRIPT
 from runtime_bench.prepare import Prompt
@@ -32,7 +32,7 @@ def make_case(prompt: Prompt, decoder: str, new_tokens: int, repeats: int, budge
 
 
 def _eos_ids(package_or_checkpoint: Path) -> list[int]:
-    config = package_or_checkpoint / "genai_config.json"
+    config = package_or_checkpoint / GENAI_CONFIG_FILE
     if config.is_file():
         ids = json.loads(config.read_text())["model"]["eos_token_id"]
     else:
@@ -79,7 +79,7 @@ def _ort_worker(job: dict[str, Any]) -> dict[str, Any]:
         reset_peak_rss()
         start = time.perf_counter()
         config = og.Config(str(package))
-        overlay = thread_overlay(json.loads((package / "genai_config.json").read_text(encoding="utf-8")), threads)
+        overlay = thread_overlay(json.loads((package / GENAI_CONFIG_FILE).read_text(encoding="utf-8")), threads)
         overlay["decoder"]["filename"] = decoder  # every session gets the threads, as Chat gives them
         config.overlay(json.dumps({"model": overlay}))
         model = og.Model(config)
@@ -178,8 +178,8 @@ def _torch_worker(job: dict[str, Any]) -> dict[str, Any]:
     import torch
     from transformers.cache_utils import DynamicCache
 
+    from builder_plugin.reference.model import Reference
     from builder_plugin.testing.processor import processor_inputs
-    from builder_plugin.testing.reference import Reference
 
     torch.set_num_threads(int(job["threads"]))
     checkpoint = Path(job["checkpoint"])

@@ -17,8 +17,9 @@ import onnx_ir as ir
 from builder_plugin.checkpoint.reader import TensorRef
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.options import BuildOptions
-from builder_plugin.quant_plan import QuantPlan
-from builder_plugin.quantize import QuantizationCache, quantize_matmuls
+from builder_plugin.quant.matmul import quantize_matmuls
+from builder_plugin.quant.plan import QuantPlan
+from builder_plugin.quant.weights import QuantizationCache
 from builder_plugin.spec import Component, IOSpec
 
 BUILDERS: dict[Component, type[ComponentBuilder]] = {}
@@ -50,11 +51,12 @@ class ComponentBuilder(ABC):
             raise TypeError(f"{cls.__name__} must declare its `component`")
         BUILDERS[cls.component] = cls
 
-    def __init__(self, config: Phi4MMConfig, options: BuildOptions) -> None:
+    def __init__(self, config: Phi4MMConfig, options: BuildOptions,
+                 quant_cache: QuantizationCache | None = None) -> None:
         self.config = config
         self.options = options
         # build() hands every component one cache, so the embedding and the decoder share the token table's blocks
-        self.quant_cache = QuantizationCache(options.jobs)
+        self.quant_cache = quant_cache or QuantizationCache(options.jobs)
 
     @classmethod
     @abstractmethod

@@ -38,23 +38,22 @@ import onnx_ir as ir
 
 from builder_plugin.checkpoint.reader import TensorRef
 from builder_plugin.components.base import ComponentBuilder
-from builder_plugin.components.speech import AUDIO_FEATURES, SpeechBuilder
-from builder_plugin.components.vision import IMAGE_FEATURES, VisionBuilder
+from builder_plugin.components.speech import SpeechBuilder
+from builder_plugin.components.vision import VisionBuilder
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.dtypes import DTYPES
 from builder_plugin.errors import SpecMismatchError
 from builder_plugin.graph import MS_DOMAIN, GraphBuilder, transposed
-from builder_plugin.layout import GRAPH_FILES
+from builder_plugin.layout import AUDIO_FEATURES, GRAPH_FILES, IMAGE_FEATURES, INPUT_IDS, INPUTS_EMBEDS
 from builder_plugin.options import BuildOptions
-from builder_plugin.quant_plan import LM_HEAD_NODE, LM_HEAD_WEIGHT, QuantPlan
-from builder_plugin.quantize import ColumnChunkedTensor, QuantScheme
+from builder_plugin.quant.kernels import QuantScheme
+from builder_plugin.quant.plan import LM_HEAD_NODE, LM_HEAD_WEIGHT, QuantPlan
+from builder_plugin.quant.weights import ColumnChunkedTensor, QuantizationCache
 from builder_plugin.spec import Component, IOSpec, TensorSpec
 
 EMBEDDING_FILENAME = GRAPH_FILES[Component.EMBEDDING]
 TOKEN_TABLE = "embed_tokens.weight"  # routed local name; also the initializer name of the "rows" layout
 TRANSPOSED_TOKEN_TABLE = "embed_tokens.weight.transposed"
-INPUT_IDS = "input_ids"  # the token ids, as the runtime feeds them (also to a self-routing decoder)
-INPUTS_EMBEDS = "inputs_embeds"  # the output, the decoder's input
 
 TableLayout = Literal["transposed", "rows", "quantized"]
 TABLE_LAYOUTS: tuple[str, ...] = ("transposed", "rows", "quantized")
@@ -66,9 +65,9 @@ class EmbeddingBuilder(ComponentBuilder):
 
     component = Component.EMBEDDING
 
-    def __init__(self, config: Phi4MMConfig, options: BuildOptions, *,
+    def __init__(self, config: Phi4MMConfig, options: BuildOptions, quant_cache: QuantizationCache | None = None, *,
                  table_layout: TableLayout | None = None) -> None:
-        super().__init__(config, options)
+        super().__init__(config, options, quant_cache)
         self.lm_head_scheme: QuantScheme | None = None
         if options.quantize:  # the decoder's lm_head quantization, which the quantized layout must read
             self.lm_head_scheme = QuantPlan.for_decoder(options, config.text.num_hidden_layers).scheme(LM_HEAD_NODE)
@@ -105,7 +104,8 @@ class EmbeddingBuilder(ComponentBuilder):
             raise SpecMismatchError(f"embedding: {TOKEN_TABLE} has shape {tuple(table.shape)}, expected "
                                     f"{(text.vocab_size, text.hidden_size)}")
 
-        g = GraphBuilder("phi-4-mm-embedding", self.io_spec(self.config, io_dtype), self.options.weight_dtype)
+        g = GraphBuilder(EMBEDDING_FILENAME.removesuffix(".onnx"), self.io_spec(self.config, io_dtype),
+                         self.options.weight_dtype)
         ids = g.inputs[INPUT_IDS]
         if self.table_layout == "transposed":
             table_t = g.weight(TRANSPOSED_TOKEN_TABLE, table, transform=transposed)

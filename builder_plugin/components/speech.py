@@ -26,14 +26,14 @@ import torch
 
 from builder_plugin.checkpoint.reader import TensorRef
 from builder_plugin.components.base import ComponentBuilder
+from builder_plugin.components.encoder_graph import EncoderGraph
 from builder_plugin.config import AudioConfig, Phi4MMConfig
 from builder_plugin.errors import UnsupportedModelError
 from builder_plugin.graph import MS_DOMAIN, GraphBuilder, transposed
-from builder_plugin.layout import GRAPH_FILES
+from builder_plugin.layout import AUDIO_FEATURES, GRAPH_FILES
 from builder_plugin.spec import Component, IOSpec, TensorSpec
 
 SPEECH_FILENAME = GRAPH_FILES[Component.SPEECH]
-AUDIO_FEATURES = "audio_features"  # the output, an input of the embedding graph
 
 # The original encoder hard-codes this chunk length (``max_seq_len = 500`` in Phi4MultimodalAudioModel.forward):
 # longer subsampled sequences are cut into independent chunks of this many frames.
@@ -65,7 +65,8 @@ class SpeechBuilder(ComponentBuilder):
     def build(self, weights: Mapping[str, TensorRef]) -> dict[str, ir.Model]:
         check_supported(self.config.audio)
         spec = self.io_spec(self.config, self.options.io_dtype)
-        graph = _SpeechGraph(GraphBuilder("phi-4-mm-speech", spec, self.options.weight_dtype), self.config, weights)
+        g = GraphBuilder(SPEECH_FILENAME.removesuffix(".onnx"), spec, self.options.weight_dtype)
+        graph = _SpeechGraph(g, self.config, weights)
         return {SPEECH_FILENAME: graph.build()}
 
 
@@ -98,40 +99,16 @@ def check_supported(audio: AudioConfig) -> None:
             raise UnsupportedModelError(f"audio activation {name!r} is not supported ({sorted(_ACTIVATIONS)})")
 
 
-class _SpeechGraph:
+class _SpeechGraph(EncoderGraph):
     """One build of the speech graph; methods add the nodes of one module each."""
 
     def __init__(self, g: GraphBuilder, config: Phi4MMConfig, weights: Mapping[str, TensorRef]) -> None:
-        self.g = g
+        super().__init__(g, weights, LAYER_NORM_EPS)
         self.audio = config.audio
         self.hidden_size = config.text.hidden_size
-        self.weights = weights
-        self.dtype = g.weight_dtype  # compute dtype: the weights' float type
         self.io_dtype = g.spec.input("audio_embeds").onnx_dtype
 
     # ---- small pieces -----------------------------------------------------------------------------------------
-    def ref(self, name: str) -> TensorRef:
-        return self.weights[name]
-
-    def i64(self, values: list[int] | int, name: str | None = None) -> ir.Value:
-        return self.g.const(values, "int64", name=name)
-
-    def linear(self, x: ir.Value, prefix: str, scale: float | None = None) -> ir.Value:
-        """torch Linear as MatMul with a constant [in, out] weight plus an Add of the bias (the int4 pass pattern).
-        `scale` is folded into weight and bias (0.5 for the half-step feed-forwards: exact, a power of two)."""
-        if scale is None:
-            weight = self.g.weight(f"{prefix}.weight", self.ref(f"{prefix}.weight"), transform=transposed)
-            bias = self.g.weight(f"{prefix}.bias", self.ref(f"{prefix}.bias"))
-        else:
-            weight = self.g.weight(f"{prefix}.weight", self.ref(f"{prefix}.weight"), transform=lambda t: t.t() * scale)
-            bias = self.g.weight(f"{prefix}.bias", self.ref(f"{prefix}.bias"), transform=lambda t: t * scale)
-        return self.g.op("Add", self.g.op("MatMul", x, weight), bias)
-
-    def layer_norm(self, x: ir.Value, prefix: str) -> ir.Value:
-        scale = self.g.weight(f"{prefix}.weight", self.ref(f"{prefix}.weight"))
-        bias = self.g.weight(f"{prefix}.bias", self.ref(f"{prefix}.bias"))
-        return self.g.op("LayerNormalization", x, scale, bias, axis=-1, epsilon=LAYER_NORM_EPS)
-
     def act(self, x: ir.Value, name: str) -> ir.Value:
         return _ACTIVATIONS[name](self.g, x)
 

@@ -24,15 +24,16 @@ import torch
 
 from builder_plugin.checkpoint.reader import TensorRef
 from builder_plugin.components.base import ComponentBuilder
+from builder_plugin.components.encoder_graph import EncoderGraph
 from builder_plugin.config import Phi4MMConfig, VisionConfig
 from builder_plugin.errors import UnsupportedModelError
-from builder_plugin.graph import MS_DOMAIN, GraphBuilder, transposed
-from builder_plugin.layout import GRAPH_FILES
+from builder_plugin.graph import MS_DOMAIN, GraphBuilder
+from builder_plugin.layout import GRAPH_FILES, IMAGE_FEATURES
 from builder_plugin.options import BuildOptions
+from builder_plugin.quant.weights import QuantizationCache
 from builder_plugin.spec import Component, IOSpec, TensorSpec
 
 VISION_FILENAME = GRAPH_FILES[Component.VISION]
-IMAGE_FEATURES = "image_features"  # the output, an input of the embedding graph
 NUM_CHANNELS = 3
 
 # SigLIP hidden_act -> ONNX Gelu `approximate`; gelu_new / gelu_fast / gelu_pytorch_tanh are the same tanh formula.
@@ -51,8 +52,9 @@ class VisionBuilder(ComponentBuilder):
 
     component = Component.VISION
 
-    def __init__(self, config: Phi4MMConfig, options: BuildOptions, *, fused_ops: bool = True) -> None:
-        super().__init__(config, options)
+    def __init__(self, config: Phi4MMConfig, options: BuildOptions, quant_cache: QuantizationCache | None = None, *,
+                 fused_ops: bool = True) -> None:
+        super().__init__(config, options, quant_cache)
         self.fused_ops = fused_ops
         if config.vision.hidden_act not in GELU_APPROXIMATION:
             raise UnsupportedModelError(
@@ -76,60 +78,21 @@ class VisionBuilder(ComponentBuilder):
 
     def build(self, weights: Mapping[str, TensorRef]) -> dict[str, ir.Model]:
         spec = self.io_spec(self.config, self.options.io_dtype)
-        graph = _VisionGraph(GraphBuilder("phi-4-mm-vision", spec, self.options.weight_dtype), self.config, weights,
-                             self.fused_ops)
+        g = GraphBuilder(VISION_FILENAME.removesuffix(".onnx"), spec, self.options.weight_dtype)
+        graph = _VisionGraph(g, self.config, weights, self.fused_ops)
         return {VISION_FILENAME: graph.build()}
 
 
-class _VisionGraph:
+class _VisionGraph(EncoderGraph):
     """One build of the vision graph; methods add the pieces in data-flow order."""
 
     def __init__(self, g: GraphBuilder, config: Phi4MMConfig, weights: Mapping[str, TensorRef],
                  fused_ops: bool) -> None:
-        self.g = g
+        super().__init__(g, weights, float(config.vision.layer_norm_eps), fused=fused_ops)
         self.v: VisionConfig = config.vision
         self.text_hidden = config.text.hidden_size
-        self.weights = weights
-        self.fused = fused_ops
-        self.dtype = g.weight_dtype  # compute dtype of the float path
         self.io_dtype = g.spec.output(IMAGE_FEATURES).onnx_dtype
         self.pooled_side = (self.v.patches_per_side + 1) // 2  # the native reflection-pads odd sides
-
-    # ---- small helpers --------------------------------------------------------------------------------------------
-    def ref(self, name: str) -> TensorRef:
-        return self.weights[name]
-
-    def i64(self, value: object) -> ir.Value:
-        return self.g.const(value, "int64")
-
-    def f32(self, value: object) -> ir.Value:
-        return self.g.const(value, "float32")
-
-    def fconst(self, value: object) -> ir.Value:
-        """A float constant in the compute dtype."""
-        return self.g.const(value, "float16" if self.dtype == ir.DataType.FLOAT16 else "float32")
-
-    def cast(self, x: ir.Value, to: ir.DataType) -> ir.Value:
-        return self.g.op("Cast", x, to=to)
-
-    def linear(self, x: ir.Value, prefix: str) -> ir.Value:
-        """``x @ W^T + b`` as MatMul with a constant [in, out] initializer and an Add (the int4 pass rewrites it)."""
-        w = self.g.weight(f"{prefix}.weight", self.ref(f"{prefix}.weight"), transform=transposed)
-        b = self.g.weight(f"{prefix}.bias", self.ref(f"{prefix}.bias"))
-        return self.g.op("Add", self.g.op("MatMul", x, w), b)
-
-    def layer_norm(self, x: ir.Value, prefix: str) -> ir.Value:
-        gamma = self.g.weight(f"{prefix}.weight", self.ref(f"{prefix}.weight"))
-        beta = self.g.weight(f"{prefix}.bias", self.ref(f"{prefix}.bias"))
-        eps = float(self.v.layer_norm_eps)
-        if self.fused:
-            return self.g.op("LayerNormalization", x, gamma, beta, axis=-1, epsilon=eps)
-        axes = self.i64([-1])
-        mean = self.g.op("ReduceMean", x, axes, keepdims=1)
-        centred = self.g.op("Sub", x, mean)
-        var = self.g.op("ReduceMean", self.g.op("Mul", centred, centred), axes, keepdims=1)
-        denom = self.g.op("Sqrt", self.g.op("Add", var, self.fconst(eps)))
-        return self.g.op("Add", self.g.op("Mul", self.g.op("Div", centred, denom), gamma), beta)
 
     def gelu(self, x: ir.Value, approximate: str) -> ir.Value:
         if self.fused:

@@ -4,15 +4,9 @@ App-facing and light: it needs only onnxruntime-genai, numpy and the standard li
 `Chat` is the entry point; see its module for how input modes, follow-up questions and long conversations are run.
 """
 
-from builder_plugin.runtime.chat import (
-    FOLLOW_UP_ROOM,
-    GENAI_CONFIG_FILE,
-    Chat,
-    Generation,
-    Sampling,
-    Stats,
-    generate,
-)
+from builder_plugin.layout import GENAI_CONFIG_FILE, MANIFEST_FILE, mode_of
+from builder_plugin.layout import INPUT_MODES as MODES
+from builder_plugin.runtime.chat import FOLLOW_UP_ROOM, Chat, Generation, Sampling, Stats, generate
 from builder_plugin.runtime.errors import (
     ChatError,
     GuidanceError,
@@ -24,7 +18,7 @@ from builder_plugin.runtime.errors import (
     UnsupportedMediaError,
 )
 from builder_plugin.runtime.guidance import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Guidance
-from builder_plugin.runtime.manifest import MANIFEST_FILE, MODES, Manifest, mode_of
+from builder_plugin.runtime.manifest import Manifest
 from builder_plugin.runtime.media import AUDIO_SUFFIXES, IMAGE_SUFFIXES, check_audio, check_image
 from builder_plugin.runtime.prompt import TOOL, USER, Turn, build_prompt, check_tags, tool_results, user_content
 from builder_plugin.runtime.tokens import MAX_TOP_LOGPROBS, Alternative, TokenLogprob

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import onnxruntime_genai as og
 
+from builder_plugin.layout import GENAI_CONFIG_FILE, mode_of
 from builder_plugin.runtime.errors import (
     ChatError,
     GuidanceError,
@@ -54,13 +55,12 @@ from builder_plugin.runtime.errors import (
 )
 from builder_plugin.runtime.guidance import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Guidance, tool_call_grammar
 from builder_plugin.runtime.kv_cache import kv_bytes_per_token
-from builder_plugin.runtime.manifest import Manifest, mode_of
+from builder_plugin.runtime.manifest import Manifest
 from builder_plugin.runtime.media import check_audio, check_image, decoder_reason
 from builder_plugin.runtime.prompt import ASSISTANT, END, Turn, build_prompt, user_content, user_turn
 from builder_plugin.runtime.threads import thread_overlay
 from builder_plugin.runtime.tokens import MAX_TOP_LOGPROBS, TokenBytes, TokenLogprob, token_logprob
 
-GENAI_CONFIG_FILE = "genai_config.json"
 FOLLOW_UP_ROOM = 1024  # tokens of KV cache kept free for follow-up questions beyond the answer's max_new_tokens
 ANSWER_MEMORY = 256  # answers whose token ids are remembered for conversations restored from text
 _SYSTEM_SENTINEL, _TOOLS_SENTINEL = "system-1f0c", [918273645]  # stand-ins the chat template is rendered with

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from builder_plugin.precisions import io_dtype
+
 FLOAT32_BYTES, FLOAT16_BYTES = 4, 2
 
 
@@ -24,6 +26,4 @@ def _element_bytes(decoder: dict[str, Any], options: dict[str, Any]) -> int:
         listed = decoder.get("session_options", {}).get("provider_options") or []
         provider = next((name for entry in listed for name in entry), "cpu")
         precision = precision or "int4"
-    if precision == "fp32" or (provider == "cpu" and precision in ("int4", "int8")):
-        return FLOAT32_BYTES
-    return FLOAT16_BYTES
+    return FLOAT32_BYTES if io_dtype(precision, provider) == "float32" else FLOAT16_BYTES

@@ -23,11 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from builder_plugin.layout import INPUT_MODES, SPLIT_DECODERS
+from builder_plugin.layout import INPUT_MODES, MANIFEST_FILE, SPLIT_DECODERS
 
-MANIFEST_FILE = "manifest.json"
 FORMAT_VERSION = 1
-MODES = INPUT_MODES
 ROUTINGS = ("self", "split", "fixed")
 
 
@@ -56,23 +54,18 @@ class Manifest:
         if not path.is_file():
             if all((Path(folder) / name).is_file() for name in SPLIT_DECODERS.values()):
                 return cls(dict(SPLIT_DECODERS), "split")
-            return cls(dict.fromkeys(MODES, main_decoder), "fixed")
+            return cls(dict.fromkeys(INPUT_MODES, main_decoder), "fixed")
         data = json.loads(path.read_text(encoding="utf-8"))
         decoders = data.get("decoders")
-        if not isinstance(decoders, dict) or set(decoders) != set(MODES):
-            raise ValueError(f"{MANIFEST_FILE}: 'decoders' must name a file for each of {', '.join(MODES)}")
+        if not isinstance(decoders, dict) or set(decoders) != set(INPUT_MODES):
+            raise ValueError(f"{MANIFEST_FILE}: 'decoders' must name a file for each of {', '.join(INPUT_MODES)}")
         if data.get("routing") not in ROUTINGS:
             raise ValueError(f"{MANIFEST_FILE}: 'routing' must be one of {', '.join(ROUTINGS)}")
         switch = data.get("original_max_position_embeddings")
         builder = data.get("builder") if isinstance(data.get("builder"), dict) else None
-        return cls({m: str(decoders[m]) for m in MODES}, data["routing"], int(switch) if switch else None,
+        return cls({m: str(decoders[m]) for m in INPUT_MODES}, data["routing"], int(switch) if switch else None,
                    builder=builder)
 
 
 def provenance_json(source: dict[str, Any] | None, builder: dict[str, Any] | None) -> dict[str, Any]:
     return {k: v for k, v in (("source", source), ("builder", builder)) if v is not None}
-
-
-def mode_of(has_image: bool, has_audio: bool) -> str:
-    """The input mode of a conversation: any image -> vision (also with audio), else audio -> speech, else text."""
-    return "vision" if has_image else "speech" if has_audio else "text"

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-TOKENIZER_FILE = "tokenizer.json"
+from builder_plugin.layout import TOKENIZER_FILE
+
 MAX_TOP_LOGPROBS = 20
 MIN_LOGPROB = -9999.0  # what the OpenAI API reports for a token it considers impossible (and JSON has no -inf)
 

@@ -11,9 +11,9 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from builder_plugin import __version__
+from builder_plugin.precisions import EXECUTION_PROVIDERS
 from builder_plugin.serve import defaults
 
-EXECUTION_PROVIDERS = ("cpu", "cuda", "dml", "webgpu")
 API_KEYS_VARIABLE = "BUILDER_PLUGIN_API_KEYS"
 
 

@@ -21,18 +21,9 @@ from builder_plugin.components.speech import SpeechBuilder
 from builder_plugin.components.vision import VisionBuilder
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.graph import GraphBuilder
+from builder_plugin.layout import GENAI_CONFIG_FILE, SPEECH_PROCESSOR_FILE, TOKENIZER_FILES, VISION_PROCESSOR_FILE
 from builder_plugin.spec import Component, IOSpec
-from genai_config import (
-    GENAI_CONFIG_FILE,
-    SPEECH_PROCESSOR_FILE,
-    VISION_PROCESSOR_FILE,
-    make_genai_config,
-    speech_processor_config,
-    vision_processor_config,
-    write_json,
-)
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
+from genai_config import make_genai_config, speech_processor_config, vision_processor_config, write_json
 
 # Removed by remove_stubs() or when the process exits: the stubs are rebuilt in a second.
 _STUB_DIRS: dict[tuple[str, str], tempfile.TemporaryDirectory] = {}

@@ -68,11 +68,13 @@ def verify(args: argparse.Namespace) -> Report:
     from tqdm import tqdm
 
     from builder_plugin.errors import BuildError
+    from builder_plugin.layout import GENAI_CONFIG_FILE
     from builder_plugin.memory import MemorySampler
+    from builder_plugin.precisions import lowest
     from builder_plugin.runtime import ChatError
     from builder_plugin.verify.engine import run_package
     from builder_plugin.verify.metrics import THRESHOLDS, compare, judge
-    from builder_plugin.verify.package_info import check_architecture, has_speech, lowest, package_precisions
+    from builder_plugin.verify.package_info import check_architecture, has_speech, package_precisions
     from builder_plugin.verify.prompts import build_cases
     from builder_plugin.verify.reference import StreamingReference, TeacherForced
     from builder_plugin.verify.report import Report
@@ -84,15 +86,15 @@ def verify(args: argparse.Namespace) -> Report:
 
     timings: dict[str, float] = {}
     package = args.package.expanduser()
-    if not (package / "genai_config.json").is_file():
-        raise ChatError(f"not a model package (no genai_config.json): {package}")
+    if not (package / GENAI_CONFIG_FILE).is_file():
+        raise ChatError(f"not a model package (no {GENAI_CONFIG_FILE}): {package}")
     if not (args.checkpoint / "config.json").is_file():
         raise BuildError(f"not a checkpoint folder (no config.json): {args.checkpoint}")
     # The reference indexes and routes the checkpoint first (cheap), so a broken one fails before any model runs.
     reference = StreamingReference(args.checkpoint)
     check_architecture(package, reference.config)
     graphs = package_precisions(package)
-    precision = lowest(graphs)
+    precision = lowest(list(graphs.values()))
     modes = args.modes or MODES
     if not has_speech(package):
         if args.modes and any("audio" in m for m in args.modes):
@@ -132,8 +134,8 @@ def _peak_rss_gb() -> float:
 def user_errors() -> tuple[type[Exception], ...]:
     """The errors reported in one line (torch and onnxruntime-genai are imported only once the arguments parse)."""
     from builder_plugin.errors import BuildError
+    from builder_plugin.reference.errors import ReferenceModelError
     from builder_plugin.runtime import ChatError
-    from builder_plugin.testing.reference import ReferenceModelError
     from builder_plugin.verify.engine import EngineError
     from builder_plugin.verify.package_info import ArchitectureMismatchError
     from builder_plugin.verify.prompts import MediaError

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime_genai as og
 
+from builder_plugin.layout import INPUT_IDS, LOGITS
 from builder_plugin.runtime import Chat
 from builder_plugin.runtime.errors import first_line
 from builder_plugin.verify.prompts import Case
@@ -30,7 +31,7 @@ class PackageRun:
 
     @property
     def prompt_length(self) -> int:
-        return int(self.inputs["input_ids"].shape[-1])
+        return int(self.inputs[INPUT_IDS].shape[-1])
 
 
 def run_package(package: str, cases: Sequence[Case], max_new_tokens: int,
@@ -67,7 +68,7 @@ def _generate(model, processor, eos: set[int], case: Case, variant: str, max_new
         raise EngineError(f"{case.name} ({files or 'no media'}): the package's processor rejected the inputs: "
                           f"{first_line(exc)}") from exc
     arrays = {name: np.array(inputs[name].as_numpy()) for name in inputs.keys()}
-    prompt_length = int(arrays["input_ids"].shape[-1])
+    prompt_length = int(arrays[INPUT_IDS].shape[-1])
     params = og.GeneratorParams(model)
     params.set_search_options(max_length=prompt_length + max_new_tokens, do_sample=False)
     generator = og.Generator(model, params)
@@ -78,7 +79,7 @@ def _generate(model, processor, eos: set[int], case: Case, variant: str, max_new
             generator.generate_next_token()
             tokens.append(int(generator.get_next_tokens()[0]))
             # [1, 1, vocab]: the decoder's lm_head covers the last position only
-            logits.append(np.array(generator.get_output("logits"), dtype=np.float32).reshape(-1))
+            logits.append(np.array(generator.get_output(LOGITS), dtype=np.float32).reshape(-1))
             on_step()
             if tokens[-1] in eos:
                 break

@@ -10,10 +10,7 @@ from pathlib import Path
 import onnx
 
 from builder_plugin.config import Phi4MMConfig
-from builder_plugin.layout import MAIN_DECODER, SPLIT_DECODERS
-
-# lowest first
-PRECISIONS = ("int4", "int8", "fp16", "fp32")
+from builder_plugin.layout import GENAI_CONFIG_FILE, MAIN_DECODER, SPLIT_DECODERS
 
 _FLOAT_TYPES = {onnx.TensorProto.FLOAT: "fp32", onnx.TensorProto.FLOAT16: "fp16", onnx.TensorProto.BFLOAT16: "fp16"}
 _INT8_OPS = {"MatMulInteger", "DynamicQuantizeLinear", "QLinearMatMul", "MatMulIntegerToFloat"}
@@ -35,7 +32,7 @@ def graph_precision(path: Path) -> str:
 
 def package_precisions(package: Path) -> dict[str, str]:
     """{graph file: precision} for the graphs genai_config.json names and the decoder variants beside them."""
-    config = json.loads((package / "genai_config.json").read_text(encoding="utf-8"))["model"]
+    config = json.loads((package / GENAI_CONFIG_FILE).read_text(encoding="utf-8"))["model"]
     names = {section["filename"] for section in config.values()
              if isinstance(section, dict) and section.get("filename")}
     names |= {MAIN_DECODER, *SPLIT_DECODERS.values()}
@@ -44,12 +41,8 @@ def package_precisions(package: Path) -> dict[str, str]:
 
 def has_speech(package: Path) -> bool:
     """Whether the package has a speech model (a `--components vision,text` build has none)."""
-    config = json.loads((package / "genai_config.json").read_text(encoding="utf-8"))["model"]
+    config = json.loads((package / GENAI_CONFIG_FILE).read_text(encoding="utf-8"))["model"]
     return bool((config.get("speech") or {}).get("filename"))
-
-
-def lowest(precisions: dict[str, str]) -> str:
-    return min(precisions.values(), key=PRECISIONS.index)
 
 
 class ArchitectureMismatchError(ValueError):
@@ -57,7 +50,7 @@ class ArchitectureMismatchError(ValueError):
 
 
 def check_architecture(package: Path, config: Phi4MMConfig) -> None:
-    model = json.loads((package / "genai_config.json").read_text(encoding="utf-8"))["model"]
+    model = json.loads((package / GENAI_CONFIG_FILE).read_text(encoding="utf-8"))["model"]
     decoder, text = model.get("decoder", {}), config.text
     expected = {
         "vocab_size": (model.get("vocab_size"), text.vocab_size),

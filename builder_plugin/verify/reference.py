@@ -32,15 +32,11 @@ from transformers.models.phi4_multimodal.modeling_phi4_multimodal import (
 from builder_plugin.checkpoint.reader import CheckpointReader, TensorRef
 from builder_plugin.checkpoint.routing import AUDIO_EMBED, IMAGE_EMBED, ignored_prefixes, route_weights
 from builder_plugin.config import Phi4MMConfig
+from builder_plugin.layout import INPUT_IDS, MODE_LORA, mode_of
+from builder_plugin.reference.errors import ReferenceModelError
+from builder_plugin.reference.features import encode_audio, encode_images, scatter_features
+from builder_plugin.reference.native_config import native_config_from_dict, native_config_from_original
 from builder_plugin.spec import Component
-from builder_plugin.testing.reference import (
-    ReferenceModelError,
-    encode_audio,
-    encode_images,
-    native_config_from_dict,
-    native_config_from_original,
-    scatter_features,
-)
 
 LORA_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 LM_HEAD_ROWS = 16384  # rows of the token table per lm_head chunk: 200 MB in fp32 at the real hidden size
@@ -65,7 +61,7 @@ class TeacherForced:
 
     @property
     def lora(self) -> str:
-        return "vision" if self.has_image else "speech" if self.has_audio else "none"
+        return MODE_LORA[mode_of(self.has_image, self.has_audio)]
 
     @property
     def projection(self) -> str | None:
@@ -140,7 +136,7 @@ class StreamingReference:
     def decoder(self, embeds: list[torch.Tensor], sequences: Sequence[TeacherForced],
                 progress: Progress = _no_progress) -> list[torch.Tensor]:
         """The final-norm hidden states [len(tokens), hidden] of the generated positions, layer by layer."""
-        prompt_lengths = [int(s.inputs["input_ids"].shape[-1]) for s in sequences]
+        prompt_lengths = [int(s.inputs[INPUT_IDS].shape[-1]) for s in sequences]
         rotary = Phi4MultimodalRotaryEmbedding(self.native)
         positions = [_incremental_rotary(rotary, e, n) for e, n in zip(embeds, prompt_lengths)]
         masks = [_causal_mask(e.shape[1], self.native.sliding_window) for e in embeds]
@@ -211,7 +207,7 @@ class StreamingReference:
 
     def _teacher_forced_ids(self, sequence: TeacherForced) -> torch.Tensor:
         """[1, T]: the prompt, then every generated token but the last (nothing is predicted after it)."""
-        prompt = torch.from_numpy(np.asarray(sequence.inputs["input_ids"], dtype=np.int64).reshape(1, -1))
+        prompt = torch.from_numpy(np.asarray(sequence.inputs[INPUT_IDS], dtype=np.int64).reshape(1, -1))
         fed = torch.tensor([list(sequence.tokens)[:-1]], dtype=torch.long).reshape(1, -1)
         return torch.cat([prompt, fed], dim=1)
 

@@ -19,13 +19,13 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from builder_plugin.build import build_component
-from builder_plugin.components.decoder import DecoderBuilder, DecoderBuildError, decoder_variants
-from builder_plugin.components.decoder.mode_routing import AUDIO_TOKEN_ID, IMAGE_TOKEN_ID
-from builder_plugin.layout import DATA_FILES, INPUT_MODES, MAIN_DECODER, SPLIT_DECODERS
+from builder_plugin.build import build_component, validate_options
+from builder_plugin.components.decoder import DecoderBuilder, DecoderPlan
+from builder_plugin.errors import InputError
+from builder_plugin.layout import AUDIO_TOKEN_ID, DATA_FILES, IMAGE_TOKEN_ID, INPUT_MODES, MAIN_DECODER, SPLIT_DECODERS
 from builder_plugin.options import BuildOptions
 from builder_plugin.package import PackageWriter
-from builder_plugin.quant_plan import LM_HEAD_WEIGHT
+from builder_plugin.quant.plan import LM_HEAD_WEIGHT
 from builder_plugin.spec import Component
 from tests.stock_quantizer import stock_to_nbits
 
@@ -484,13 +484,14 @@ def test_graph_structure_follows_the_genai_builder(fp32_packages, tiny_config) -
     assert Counter(n.op_type for n in nodes)["MatMul"] == 1 + 14 * text.num_hidden_layers
 
 
-def test_option_errors(tiny_checkpoint, tiny_config, tiny_weights) -> None:
-    with pytest.raises(DecoderBuildError, match="fp16"):
-        DecoderBuilder(tiny_config, _options(tiny_checkpoint, precision="fp16")).build(tiny_weights[Component.DECODER])
+def test_option_errors(tiny_checkpoint, tiny_config) -> None:
+    """The decoder is built from options `validate_options` accepted: its refusals are the decoder's."""
+    with pytest.raises(InputError, match="fp16"):
+        validate_options(_options(tiny_checkpoint, precision="fp16"), tiny_config)
     for lora in ("routed", "split", "none", "vision+speech"):
-        with pytest.raises(DecoderBuildError, match="merge_lora"):
-            decoder_variants(tiny_config, _options(tiny_checkpoint, lora=lora, merge=True))
-    assert [v.filename for v in decoder_variants(tiny_config, _options(tiny_checkpoint, lora="speech"))] == [
+        with pytest.raises(InputError, match="--merge-lora"):
+            validate_options(_options(tiny_checkpoint, lora=lora, merge=True), tiny_config)
+    assert [v.filename for v in DecoderPlan.for_options(_options(tiny_checkpoint, lora="speech")).variants] == [
         MAIN_DECODER]
 
 

@@ -17,12 +17,13 @@ from builder_plugin.components.embedding import (
     TRANSPOSED_TOKEN_TABLE,
     EmbeddingBuilder,
 )
+from builder_plugin.layout import DATA_FILES, MAIN_DECODER
 from builder_plugin.options import BuildOptions
 from builder_plugin.package import PackageWriter
-from builder_plugin.quant_plan import LM_HEAD_NODE, LM_HEAD_WEIGHT
+from builder_plugin.quant.plan import LM_HEAD_NODE, LM_HEAD_WEIGHT
 from builder_plugin.spec import Component, check_io
 
-DATA_FILE = "phi-4-mm-text.onnx.data"
+DATA_FILE = DATA_FILES[Component.DECODER]
 
 
 def _options(checkpoint: Path, precision: str = "fp32") -> BuildOptions:
@@ -190,7 +191,7 @@ def test_int4_lookup_reads_the_decoders_quantized_lm_head(tmp_path, tiny_checkpo
     build(options, progress=False)
     folder = tmp_path / "pkg"
     embedding = onnx.load(str(folder / EMBEDDING_FILENAME), load_external_data=False)
-    decoder = onnx.load(str(folder / "phi-4-mm-text.onnx"), load_external_data=False)
+    decoder = onnx.load(str(folder / MAIN_DECODER), load_external_data=False)
 
     def locations(model):
         return {tuple((e.key, e.value) for e in t.external_data) for t in model.graph.initializer if t.external_data}
@@ -246,8 +247,8 @@ def test_every_quantization_choice_reads_the_decoders_lm_head_stored_once(precis
     """Whatever the lm_head becomes (int8, k_quant with zero points, asymmetric RTN, or float when excluded), the
     embedding reads exactly the decoder's lm_head weights, quantized once and stored once: its lookup equals the rows
     the decoder's MatMulNBits dequantizes (or multiplies by, when float)."""
-    from builder_plugin import quantize
     from builder_plugin.build import build
+    from builder_plugin.quant import weights as quantize
     from builder_plugin.spec import Component as C
 
     computed = []
@@ -262,7 +263,7 @@ def test_every_quantization_choice_reads_the_decoders_lm_head_stored_once(precis
     build(BuildOptions(model_dir=tiny_checkpoint, output_dir=folder, precision=precision, lora="none",
                        components=frozenset({C.EMBEDDING, C.DECODER}), extra_options=extra), progress=False)
     embedding = onnx.load(str(folder / EMBEDDING_FILENAME), load_external_data=False)
-    decoder = onnx.load(str(folder / "phi-4-mm-text.onnx"))
+    decoder = onnx.load(str(folder / MAIN_DECODER))
     lm_head = next(n for n in decoder.graph.node if n.name.startswith(LM_HEAD_NODE))
     tensors = {t.name: onnx.numpy_helper.to_array(t) for t in decoder.graph.initializer}
     hidden = tiny_config.text.hidden_size
@@ -277,7 +278,7 @@ def test_every_quantization_choice_reads_the_decoders_lm_head_stored_once(precis
     def locations(model):
         return {tuple((e.key, e.value) for e in t.external_data) for t in model.graph.initializer if t.external_data}
 
-    decoder_locations = locations(onnx.load(str(folder / "phi-4-mm-text.onnx"), load_external_data=False))
+    decoder_locations = locations(onnx.load(str(folder / MAIN_DECODER), load_external_data=False))
     assert locations(embedding) and locations(embedding) <= decoder_locations  # no second copy of the table
     ids = np.random.default_rng(8).integers(0, tiny_config.text.vocab_size, size=(1, 50), dtype=np.int64)
     ids[np.isin(ids, (tiny_config.image_token_id, tiny_config.audio_token_id))] = 0

@@ -215,7 +215,7 @@ def _synthetic_inputs(vision: Phi4MMConfig, grids: Sequence[tuple[int, int, int,
 def test_other_sizes_odd_patch_grid(odd_checkpoint, tmp_path):
     from builder_plugin.checkpoint.reader import CheckpointReader
     from builder_plugin.checkpoint.routing import route_weights
-    from builder_plugin.testing.reference import Reference
+    from builder_plugin.reference.model import Reference
 
     config = Phi4MMConfig.from_dir(odd_checkpoint)
     assert config.vision.patches_per_side % 2 == 1 and config.vision.image_size != config.vision.crop_size

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from builder_plugin.layout import GENAI_CONFIG_FILE, MAIN_DECODER, SPLIT_DECODERS
 from builder_plugin.runtime import (
     MANIFEST_FILE,
     TOOL,
@@ -47,10 +48,6 @@ def split_chat(tiny_split_package) -> Chat:
     return Chat(tiny_split_package)
 
 
-SPLIT_FILES = {"text": "phi-4-mm-text-base.onnx", "vision": "phi-4-mm-text.onnx",
-               "speech": "phi-4-mm-text-speech.onnx"}
-
-
 @pytest.fixture
 def conversation(chat) -> Chat:
     """The module's Chat (its models stay loaded) with an empty conversation."""
@@ -84,9 +81,9 @@ def test_not_a_package(tmp_path):
 
 
 def test_split_decoder_names():
-    from builder_plugin.layout import SPLIT_DECODERS
-
-    assert SPLIT_DECODERS == SPLIT_FILES
+    """The file names apps and older packages know, pinned here once (the other tests use `layout`'s)."""
+    assert SPLIT_DECODERS == {"text": "phi-4-mm-text-base.onnx", "vision": "phi-4-mm-text.onnx",
+                              "speech": "phi-4-mm-text-speech.onnx"}
 
 
 # ---- with the built package -----------------------------------------------------------------------------------------
@@ -95,30 +92,30 @@ def test_split_decoder_names():
 def test_routed_package_answers_every_mode_with_one_decoder(chat, package):
     assert chat.routed and chat.manifest.routing == "self"
     assert json.loads((package / MANIFEST_FILE).read_text())["routing"] == "self"
-    assert sorted(p.name for p in package.glob("phi-4-mm-text*.onnx")) == ["phi-4-mm-text.onnx"]
+    assert sorted(p.name for p in package.glob("phi-4-mm-text*.onnx")) == [MAIN_DECODER]
     for has_image in (False, True):
         for has_audio in (False, True):
-            assert chat.variant_for(has_image, has_audio) == "phi-4-mm-text.onnx"
+            assert chat.variant_for(has_image, has_audio) == MAIN_DECODER
 
 
 def test_split_package_has_a_decoder_per_mode(split_chat):
     assert split_chat.routed and split_chat.manifest.routing == "split"
-    assert split_chat.variant_for(has_image=False, has_audio=False) == SPLIT_FILES["text"]
-    assert split_chat.variant_for(has_image=True, has_audio=False) == SPLIT_FILES["vision"]
-    assert split_chat.variant_for(has_image=True, has_audio=True) == SPLIT_FILES["vision"]
-    assert split_chat.variant_for(has_image=False, has_audio=True) == SPLIT_FILES["speech"]
+    assert split_chat.variant_for(has_image=False, has_audio=False) == SPLIT_DECODERS["text"]
+    assert split_chat.variant_for(has_image=True, has_audio=False) == SPLIT_DECODERS["vision"]
+    assert split_chat.variant_for(has_image=True, has_audio=True) == SPLIT_DECODERS["vision"]
+    assert split_chat.variant_for(has_image=False, has_audio=True) == SPLIT_DECODERS["speech"]
 
 
 def test_package_without_manifest_is_read_from_its_files(tiny_split_package, tmp_path):
     legacy = _copy_package(tiny_split_package, tmp_path / "legacy", drop=(MANIFEST_FILE,))
-    assert Chat(legacy).manifest.decoders == SPLIT_FILES
+    assert Chat(legacy).manifest.decoders == SPLIT_DECODERS
     single = _copy_package(tiny_split_package, tmp_path / "single",
-                           drop=(MANIFEST_FILE, SPLIT_FILES["text"], SPLIT_FILES["speech"]))
+                           drop=(MANIFEST_FILE, SPLIT_DECODERS["text"], SPLIT_DECODERS["speech"]))
     chat = Chat(single)
     assert not chat.routed and chat.manifest.original_max_position_embeddings is None
     for has_image in (False, True):
         for has_audio in (False, True):
-            assert chat.variant_for(has_image, has_audio) == "phi-4-mm-text.onnx"
+            assert chat.variant_for(has_image, has_audio) == MAIN_DECODER
 
 
 @pytest.mark.parametrize("layout", ["routed", "split"])
@@ -134,7 +131,7 @@ def test_generation_matches_reference(layout, chat, split_chat, reference, media
     prompt = build_prompt([Turn("Describe what you get.", tuple(images), tuple(audios))])
     generation = chat.generate(prompt, images, audios, max_new_tokens=5)
 
-    assert generation.variant == (SPLIT_FILES[mode] if layout == "split" else "phi-4-mm-text.onnx")
+    assert generation.variant == (SPLIT_DECODERS[mode] if layout == "split" else MAIN_DECODER)
     assert generation.inputs["input_ids"].shape[0] == 1
     assert ("pixel_values" in generation.inputs) == bool(images)
     assert ("audio_embeds" in generation.inputs) == bool(audios)
@@ -230,10 +227,10 @@ def test_errors_with_a_package(package, conversation, media_dir, tmp_path):
 
 
 def test_package_without_speech_refuses_audio(package, media_dir, tmp_path):
-    folder = _copy_package(package, tmp_path / "no-speech", drop=("genai_config.json",))
-    config = json.loads((package / "genai_config.json").read_text())
+    folder = _copy_package(package, tmp_path / "no-speech", drop=(GENAI_CONFIG_FILE,))
+    config = json.loads((package / GENAI_CONFIG_FILE).read_text())
     config["model"]["speech"] = {"config_filename": ""}
-    (folder / "genai_config.json").write_text(json.dumps(config))
+    (folder / GENAI_CONFIG_FILE).write_text(json.dumps(config))
     chat = Chat(folder)
     with pytest.raises(PackageError, match="no speech model"):
         chat.ask("Listen.", audios=[media_dir / AUDIO])
@@ -243,8 +240,8 @@ def test_package_without_speech_refuses_audio(package, media_dir, tmp_path):
 
 
 def test_missing_decoder_file(package, tmp_path):
-    folder = _copy_package(package, tmp_path / "broken", drop=("phi-4-mm-text.onnx",))
-    with pytest.raises(PackageError, match="decoder phi-4-mm-text.onnx is missing"):
+    folder = _copy_package(package, tmp_path / "broken", drop=(MAIN_DECODER,))
+    with pytest.raises(PackageError, match=f"decoder {MAIN_DECODER} is missing"):
         Chat(folder)
 
 

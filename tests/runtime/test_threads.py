@@ -12,6 +12,7 @@ import onnxruntime_genai as og
 import pytest
 
 from builder_plugin.build import build
+from builder_plugin.layout import GENAI_CONFIG_FILE
 from builder_plugin.options import BuildOptions
 from builder_plugin.runtime import Chat, PackageError
 from builder_plugin.runtime.threads import SESSION_SECTIONS
@@ -37,14 +38,14 @@ def traced_copy(package: Path, folder: Path) -> tuple[Path, dict]:
     """`package` with verbose session logs, each section's sessions named after it (log_id); files linked."""
     folder.mkdir()
     for item in package.iterdir():
-        if item.name != "genai_config.json":
+        if item.name != GENAI_CONFIG_FILE:
             (folder / item.name).symlink_to(item)
-    config = json.loads((package / "genai_config.json").read_text())
+    config = json.loads((package / GENAI_CONFIG_FILE).read_text())
     for section in SESSION_SECTIONS:
         options = config["model"].get(section, {}).get("session_options")
         if options is not None:
             options.update(log_id=section, log_severity_level=0)
-    (folder / "genai_config.json").write_text(json.dumps(config))
+    (folder / GENAI_CONFIG_FILE).write_text(json.dumps(config))
     return folder, config
 
 
@@ -103,7 +104,7 @@ def test_the_decoder_keeps_its_entries(tiny_package, tmp_path, capfd):
 def test_a_count_the_package_sets_is_kept_unless_asked(tiny_package, tmp_path, capfd):
     package, config = traced_copy(tiny_package, tmp_path / "traced")
     config["model"]["decoder"]["session_options"]["intra_op_num_threads"] = 3
-    (package / "genai_config.json").write_text(json.dumps(config))
+    (package / GENAI_CONFIG_FILE).write_text(json.dumps(config))
     capfd.readouterr()
     load(package)
     assert {count for _, count, _ in sessions(capfd)} == {3}

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from builder_plugin.layout import MAIN_DECODER
 from builder_plugin.runtime import Turn, build_prompt, generate
 
 CHAT = Path(__file__).resolve().parents[2] / "samples" / "chat.py"
@@ -38,7 +39,7 @@ def test_prompt_mode_with_image_and_audio(package, media_dir, reference):
     assert result.returncode == 0, result.stderr
     stats = STATS.search(result.stderr)
     assert stats, result.stderr
-    assert int(stats[1]) == 6 and stats[4] == "phi-4-mm-text.onnx"
+    assert int(stats[1]) == 6 and stats[4] == MAIN_DECODER
 
     # The printed answer is the reference model's greedy answer (vision LoRA, vision audio projection).
     prompt = build_prompt([Turn("What do you see and hear?", (image,), (audio,))])
@@ -130,7 +131,7 @@ def test_interactive_chat(package, media_dir):
         terminal.expect(r"> ")
         terminal.send("Hello, who are you?")
         stats = terminal.expect(STATS.pattern)
-        assert int(stats[1]) == 4 and stats[4] == "phi-4-mm-text.onnx"
+        assert int(stats[1]) == 4 and stats[4] == MAIN_DECODER
 
         terminal.expect(r"> ")
         terminal.send(f"/image {media_dir / 'square.png'}")
@@ -141,7 +142,7 @@ def test_interactive_chat(package, media_dir):
         terminal.expect(r"> ")
         terminal.send("What is in the picture?")
         stats = terminal.expect(STATS.pattern)
-        assert stats[4] == "phi-4-mm-text.onnx" and stats[3] is None
+        assert stats[4] == MAIN_DECODER and stats[3] is None
 
         terminal.expect(r"> ")
         terminal.send("And the colours?")  # a follow-up without media: the conversation's cache is kept

@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from builder_plugin.layout import GENAI_CONFIG_FILE
 from builder_plugin.testing import make_checkpoint as mc
 from tests.conftest import TINY_SEED as SEED  # the seed of the session checkpoints used below
 
@@ -387,7 +388,7 @@ def test_tokenizer_loads_in_onnxruntime_genai(original_dir, tmp_path):
         },
         "search": {"max_length": 64},
     }  # fmt: skip
-    (tmp_path / "genai_config.json").write_text(json.dumps(genai_config))
+    (tmp_path / GENAI_CONFIG_FILE).write_text(json.dumps(genai_config))
     tokenizer = og.Tokenizer(str(tmp_path))
     reference = PreTrainedTokenizerFast.from_pretrained(original_dir)
     for text in (PROMPT, "<|system|>sys<|end|><|user|><|endoftext10|><|endoftext11|>Describe the image.<|end|>"):

@@ -16,14 +16,15 @@ What the subclass changes:
   ``merge_lora`` a single adapter is folded into the base weights in fp32 instead. The default ``routed`` decoder holds
   both adapters behind ``If`` nodes and picks one per conversation from the placeholder ids (`mode_routing`); ``split``
   writes one decoder file per input mode instead.
-- int4/int8: the float graph is rewritten by `builder_plugin.quantize.quantize_matmuls` (lazy, streaming) with the
-  per-node schemes of `builder_plugin.quant_plan.QuantPlan`, rather than the builder's whole-graph ``to_nbits``.
+- int4/int8: the float graph is rewritten by `builder_plugin.quant.matmul.quantize_matmuls` (lazy, streaming) with
+  the per-node schemes of `builder_plugin.quant.plan.QuantPlan`, rather than the builder's whole-graph ``to_nbits``.
 - The LongRoPE cos/sin caches, which the builder puts in ``If`` branches as Constant nodes inside ``model.onnx``, are
   hoisted to main-graph initializers so they go to external data and are shared between variants.
 
-The modules, by job: `variants` (which files a build makes), `weights` (lazy initializers), `tree` (the module tree
-the builder walks), `genai_builder` (the builder subclass), `passes` (graph fixes on its output), `mode_routing` (the
-self-routing decoder) and `builder` (DecoderBuilder: the component's build hooks).
+The modules, by job: `variants` (the decoder plan: which files a build makes), `weights` (lazy initializers), `tree`
+(the module tree the builder walks), `genai_builder` (the builder subclass), `lora_names` (the LoRA node names it
+writes), `passes` (graph fixes on its output), `mode_routing` (the self-routing decoder) and `builder` (DecoderBuilder:
+the component's build hooks).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from __future__ import annotations
 from builder_plugin.components.base import DecoderRuntimeSettings
 from builder_plugin.components.decoder.builder import DecoderBuilder
 from builder_plugin.components.decoder.genai_builder import genai_builder_class, genai_text_config
-from builder_plugin.components.decoder.variants import DecoderVariant, decoder_variants
+from builder_plugin.components.decoder.variants import DecoderPlan, DecoderVariant
 from builder_plugin.errors import DecoderBuildError
 from builder_plugin.layout import MAIN_DECODER
 
@@ -39,9 +40,9 @@ __all__ = [
     "MAIN_DECODER",
     "DecoderBuildError",
     "DecoderBuilder",
+    "DecoderPlan",
     "DecoderRuntimeSettings",
     "DecoderVariant",
-    "decoder_variants",
     "genai_builder_class",
     "genai_text_config",
 ]

@@ -13,35 +13,34 @@ from builder_plugin.components.base import BuildOutput, ComponentBuilder, Decode
 from builder_plugin.components.decoder.genai_builder import genai_builder_class, make_genai_builder, quiet
 from builder_plugin.components.decoder.kv import KVLayer
 from builder_plugin.components.decoder.mode_routing import (
-    MODE_INPUT,
     add_mode_state,
     route_lora_branches,
 )
 from builder_plugin.components.decoder.passes import fix_declared_shapes, hoist_rope_caches
 from builder_plugin.components.decoder.tree import make_tree
-from builder_plugin.components.decoder.variants import DecoderVariant, decoder_variants, decoders_by_input_mode
+from builder_plugin.components.decoder.variants import DecoderPlan
 from builder_plugin.components.decoder.weights import WeightTensors
-from builder_plugin.components.embedding import INPUTS_EMBEDS, EmbeddingBuilder
+from builder_plugin.components.embedding import EmbeddingBuilder
 from builder_plugin.config import Phi4MMConfig
-from builder_plugin.errors import DecoderBuildError
+from builder_plugin.layout import INPUT_IDS, INPUTS_EMBEDS, LOGITS
 from builder_plugin.options import BuildOptions
-from builder_plugin.quant_plan import QuantPlan
-from builder_plugin.quantize import quantize_matmuls
+from builder_plugin.quant.matmul import quantize_matmuls
+from builder_plugin.quant.plan import QuantPlan
+from builder_plugin.quant.weights import QuantizationCache
 from builder_plugin.spec import Component, IOSpec, TensorSpec
 
 _ATTN_EPS_WITH_FUSED_ROPE = ("cpu", "cuda", "webgpu")  # dml runs RotaryEmbedding on position_ids instead
 
 
-def _check_precision(options: BuildOptions) -> None:
-    if options.precision == "fp16" and options.execution_provider == "cpu":
-        raise DecoderBuildError(
-            "fp16 decoders are for GPU execution providers (cuda, dml, webgpu): onnxruntime's CPU GroupQueryAttention "
-            "has no fp16 kernel; use -p fp32 or -p int4 for cpu"
-        )
-
-
 class DecoderBuilder(ComponentBuilder):
+    """The decoder files of one build (`plan`, made once from the options, which `validate_options` checked)."""
+
     component = Component.DECODER
+
+    def __init__(self, config: Phi4MMConfig, options: BuildOptions,
+                 quant_cache: QuantizationCache | None = None) -> None:
+        super().__init__(config, options, quant_cache)
+        self.plan = DecoderPlan.for_options(options)
 
     @classmethod
     def io_spec(cls, config: Phi4MMConfig, io_dtype: str, execution_provider: str = "cpu",
@@ -60,12 +59,12 @@ class DecoderBuilder(ComponentBuilder):
         present = ("batch_size", kv_heads, "total_sequence_length", "kv_cache_dim")
         inputs += [TensorSpec(KVLayer(i).past_key, io_dtype, past) for i in layers]
         inputs += [TensorSpec(KVLayer(i).past_value, io_dtype, past) for i in layers]
-        outputs = [TensorSpec("logits", io_dtype, ("batch_size", 1, text.vocab_size))]  # last position only
+        outputs = [TensorSpec(LOGITS, io_dtype, ("batch_size", 1, text.vocab_size))]  # last position only
         outputs += [TensorSpec(KVLayer(i).present_key, io_dtype, present) for i in layers]
         outputs += [TensorSpec(KVLayer(i).present_value, io_dtype, present) for i in layers]
         if self_routing:  # after the builder's own I/O, in the order add_mode_state appends them
             state = KVLayer(text.num_hidden_layers)  # the mode's layer
-            inputs += [TensorSpec(MODE_INPUT, "int64", ("batch_size", "sequence_length")),
+            inputs += [TensorSpec(INPUT_IDS, "int64", ("batch_size", "sequence_length")),
                        TensorSpec(state.past_key, io_dtype, past), TensorSpec(state.past_value, io_dtype, past)]
             outputs += [TensorSpec(state.present_key, io_dtype, present),
                         TensorSpec(state.present_value, io_dtype, present)]
@@ -74,8 +73,11 @@ class DecoderBuilder(ComponentBuilder):
     @classmethod
     def spec_for(cls, config: Phi4MMConfig, options: BuildOptions) -> IOSpec:
         """The I/O of the decoder(s) `options` build (every variant of one build has the same I/O)."""
-        self_routing = decoder_variants(config, options)[0].self_routing
-        return cls.io_spec(config, options.io_dtype, options.execution_provider, self_routing=self_routing)
+        return cls._spec(config, options, DecoderPlan.for_options(options))
+
+    @classmethod
+    def _spec(cls, config: Phi4MMConfig, options: BuildOptions, plan: DecoderPlan) -> IOSpec:
+        return cls.io_spec(config, options.io_dtype, options.execution_provider, self_routing=plan.self_routing)
 
     def build(self, weights: Mapping[str, TensorRef]) -> dict[str, ir.Model]:
         """The float graphs (quantization and LoRA routing are the `quantize` and `finish` steps)."""
@@ -84,18 +86,16 @@ class DecoderBuilder(ComponentBuilder):
     def build_output(self, weights: Mapping[str, TensorRef]) -> BuildOutput:
         """The float graph of every variant, made by GenAI builders that share one set of lazy weights, and the
         runtime settings read from the first of them."""
-        config, options = self.config, self.options
-        _check_precision(options)
-        variants = decoder_variants(config, options)
+        config, options, plan = self.config, self.options, self.plan
         tensors = WeightTensors(options.io_dtype)
         rope_caches: dict[str, ir.TensorProtocol] = {}
         graphs: dict[str, ir.Model] = {}
         runtime: DecoderRuntimeSettings | None = None
-        for variant in variants:
+        for variant in plan.variants:
             tree = make_tree(weights, config, variant)
             builder = make_genai_builder(config, options, variant.filename, tree=tree, tensors=tensors)
             if runtime is None:  # as the builder is set up, before it makes a graph
-                runtime = _runtime_settings(builder, options, variants)
+                runtime = _runtime_settings(builder, options, plan)
             with quiet():
                 builder.make_model(str(options.model_dir))
             model = builder.model
@@ -103,7 +103,7 @@ class DecoderBuilder(ComponentBuilder):
             hoist_rope_caches(model, rope_caches)
             fix_declared_shapes(model)
             graphs[variant.filename] = model
-        return BuildOutput(graphs, self.spec_for(config, options), runtime)
+        return BuildOutput(graphs, self._spec(config, options, plan), runtime)
 
     def quantize(self, model: ir.Model) -> ir.Model:
         """int4/int8: MatMulNBits with the per-node schemes of the stock builder's choices, through the shared cache,
@@ -120,19 +120,19 @@ class DecoderBuilder(ComponentBuilder):
         Routing comes after quantizing: the adapters are then main-graph branches, as onnxruntime's quantizer (which
         leaves If bodies float for rtn / k_quant) sees the split variants; routing moves the quantized nodes into the
         Ifs unchanged."""
-        if decoder_variants(self.config, self.options)[0].self_routing:
+        if self.plan.self_routing:
             text = self.config.text
+            placeholders = (self.config.image_token_id, self.config.audio_token_id)
             is_vision, is_speech = add_mode_state(model, text.num_hidden_layers, text.num_key_value_heads,
-                                                  text.head_dim)
+                                                  text.head_dim, placeholders)
             route_lora_branches(model, is_vision, is_speech)
         genai_builder_class().stamp_build_metadata(model)
         return model
 
 
-def _runtime_settings(builder: Any, options: BuildOptions,
-                      variants: tuple[DecoderVariant, ...]) -> DecoderRuntimeSettings:
+def _runtime_settings(builder: Any, options: BuildOptions, plan: DecoderPlan) -> DecoderRuntimeSettings:
     """What genai_config.json and manifest.json take from this build, read from a GenAI builder set up for it."""
     ep = options.execution_provider
     provider_options = () if ep == "cpu" else ({ep: dict(builder.ep_attrs[ep])},)
-    routing, decoders = decoders_by_input_mode(variants)
-    return DecoderRuntimeSettings(bool(builder.past_present_share_buffer), provider_options, routing, decoders)
+    share_buffer = bool(builder.past_present_share_buffer)
+    return DecoderRuntimeSettings(share_buffer, provider_options, plan.routing, plan.decoders)

@@ -13,11 +13,13 @@ from typing import Any
 
 import onnx_ir as ir
 
+from builder_plugin.components.decoder.lora_names import lora_node, weight_name
 from builder_plugin.components.decoder.tree import LazyLinear, LmHead, TextDecoderTree
 from builder_plugin.components.decoder.weights import LoraBranch, WeightTensors
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.dtypes import onnx_dtype
 from builder_plugin.errors import DecoderBuildError
+from builder_plugin.layout import LOGITS
 from builder_plugin.options import BuildOptions
 
 
@@ -151,21 +153,20 @@ def genai_builder_class() -> type:
 
         def _make_lazy_matmul(self, proj: LazyLinear, basename: str, root_input: str, **kwargs: Any) -> str:
             seq_dim = kwargs.get("seq_dim", "sequence_length")
-            weight_name = basename[1:].replace("/", ".") + ".weight"
             if proj.merged is not None:
-                weight = self.tensors.merged(proj.rows, proj.merged, weight_name)
+                weight = self.tensors.merged(proj.rows, proj.merged, weight_name(basename))
             else:
-                weight = self.tensors.base(proj.rows, weight_name)
-            output = "logits" if kwargs.get("logits", False) and not proj.loras else f"{basename}/output_0"
+                weight = self.tensors.base(proj.rows, weight_name(basename))
+            output = LOGITS if kwargs.get("logits", False) and not proj.loras else f"{basename}/output_0"
             self._matmul_node(basename, root_input, weight, output, seq_dim)
             result = basename
             prefix = basename.rsplit("/", 1)[0]
             for branch in proj.loras:
                 a_out = self._lora_a(branch, root_input, seq_dim)
-                b_name = f"{prefix}/lora_B.{branch.adapter}/MatMul"
-                b_weight = self.tensors.lora_b(branch, b_name[1:].replace("/", ".") + ".weight")
+                b_name = lora_node(prefix, branch.adapter, "B")
+                b_weight = self.tensors.lora_b(branch, weight_name(b_name))
                 self._matmul_node(b_name, a_out, b_weight, f"{b_name}/output_0", seq_dim)
-                add_name = f"{prefix}/lora.{branch.adapter}/Add"
+                add_name = lora_node(prefix, branch.adapter, "Add")
                 self.make_add(add_name, [f"{result}/output_0", f"{b_name}/output_0"], dtype=self.io_dtype,
                               shape=self.make_hidden_state_shape(seq_dim=seq_dim, last_dim=proj.out_features))
                 result = add_name
@@ -174,8 +175,8 @@ def genai_builder_class() -> type:
         def _lora_a(self, branch: LoraBranch, root_input: str, seq_dim: Any) -> str:
             key = (branch.a_owner, branch.adapter, root_input)
             if key not in self._lora_a_outputs:
-                name = f"{branch.a_owner}/lora_A.{branch.adapter}/MatMul"
-                weight = self.tensors.lora_a(branch, name[1:].replace("/", ".") + ".weight")
+                name = lora_node(branch.a_owner, branch.adapter, "A")
+                weight = self.tensors.lora_a(branch, weight_name(name))
                 self._matmul_node(name, root_input, weight, f"{name}/output_0", seq_dim)
                 self._lora_a_outputs[key] = f"{name}/output_0"
             return self._lora_a_outputs[key]

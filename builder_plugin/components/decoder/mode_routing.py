@@ -1,9 +1,10 @@
 """Self-routing text decoder: one graph that applies the LoRA adapter of the conversation's input mode.
 
 onnxruntime-genai cannot switch adapters for phi4mm, and it feeds a decoder nothing that names the input mode. What it
-does feed, to a decoder that declares it, is ``input_ids``: the prompt with one image (200010) or audio (200011)
-placeholder id per feature row, then the new ids of each step. The graph reads the mode from those ids and keeps it
-across steps in one extra KV-cache "layer", which the runtime allocates, carries and rewinds like every other layer:
+does feed, to a decoder that declares it, is ``input_ids``: the prompt with one image or audio placeholder id per
+feature row (the checkpoint's ``image_token_id`` / ``audio_token_id``), then the new ids of each step. The graph reads
+the mode from those ids and keeps it across steps in one extra KV-cache "layer", which the runtime allocates, carries
+and rewinds like every other layer:
 
 - each call writes, for each of its positions, a value row whose first two channels say "this call holds an image
   placeholder" / "an audio placeholder" (FLAG, else 0);
@@ -22,7 +23,6 @@ media must start in the first chunk; the package does not set chunk_size.
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -30,16 +30,12 @@ import numpy as np
 import onnx_ir as ir
 
 from builder_plugin.components.decoder.kv import KVLayer
-from builder_plugin.components.embedding import INPUT_IDS, INPUTS_EMBEDS
+from builder_plugin.components.decoder.lora_names import parse_lora_node
 from builder_plugin.graph import MS_DOMAIN
+from builder_plugin.layout import INPUT_IDS, INPUTS_EMBEDS
 
-IMAGE_TOKEN_ID = 200010  # the placeholder ids the runtime's phi4mm processor expands (fixed in onnxruntime-genai)
-AUDIO_TOKEN_ID = 200011
 FLAG = 1024.0  # large enough that flag / context_length stays a normal fp16 number
-MODE_INPUT = INPUT_IDS  # the decoder reads the placeholder ids from the same input the embedding takes
 ROUTED_ADAPTERS = ("vision", "speech")  # If order: vision first, as an image wins over audio
-
-_LORA_A = re.compile(r"^(?P<owner>.*)/lora_A\.(?P<adapter>\w+)/MatMul(_Q\w+)?$")  # quantized: MatMul_Q4...
 
 
 class _Emitter:
@@ -62,8 +58,10 @@ class _Emitter:
         return self("Constant", [], value=ir.tensor(array, name=f"{self.prefix}/{name}"))
 
 
-def add_mode_state(model: ir.Model, num_layers: int, kv_heads: int, head_size: int) -> tuple[ir.Value, ir.Value]:
-    """Add ``input_ids`` and the mode KV layer to a decoder graph; returns the (is_vision, is_speech) booleans."""
+def add_mode_state(model: ir.Model, num_layers: int, kv_heads: int, head_size: int,
+                   placeholder_ids: tuple[int, int]) -> tuple[ir.Value, ir.Value]:
+    """Add ``input_ids`` and the mode KV layer to a decoder graph; returns the (is_vision, is_speech) booleans.
+    `placeholder_ids`: the (image, audio) placeholder token ids."""
     graph = model.graph
     first_past = graph.inputs[[v.name for v in graph.inputs].index(KVLayer(0).past_key)]
     first_present = next(v for v in graph.outputs if v.name == KVLayer(0).present_key)
@@ -74,7 +72,7 @@ def add_mode_state(model: ir.Model, num_layers: int, kv_heads: int, head_size: i
     np_dtype = dtype.numpy()
     state = KVLayer(num_layers)  # the mode's layer, after the model's own
 
-    ids = ir.Value(name=MODE_INPUT, shape=ir.Shape(["batch_size", "sequence_length"]),
+    ids = ir.Value(name=INPUT_IDS, shape=ir.Shape(["batch_size", "sequence_length"]),
                    type=ir.TensorType(ir.DataType.INT64))
     past = {name: ir.Value(name=name, shape=first_past.shape, type=first_past.type)
             for name in (state.past_key, state.past_value)}
@@ -83,7 +81,7 @@ def add_mode_state(model: ir.Model, num_layers: int, kv_heads: int, head_size: i
     emit = _Emitter(graph, "/model/mode")
     width = kv_heads * head_size
     seen = []
-    for token in (IMAGE_TOKEN_ID, AUDIO_TOKEN_ID):
+    for token in placeholder_ids:
         hit = emit("Cast", [emit("Equal", [ids, emit.const(np.array(token, np.int64), f"token_{token}")])],
                    to=ir.DataType.FLOAT)
         seen.append(emit("ReduceMax", [hit], keepdims=0))  # over the whole call: 1.0 if the placeholder occurs
@@ -140,9 +138,9 @@ def route_lora_branches(model: ir.Model, is_vision: ir.Value, is_speech: ir.Valu
     graph = model.graph
     groups: dict[str, dict[str, ir.Node]] = defaultdict(dict)  # owner -> adapter -> A node
     for node in graph:
-        match = _LORA_A.match(node.name or "")
-        if match:
-            groups[match["owner"]][match["adapter"]] = node
+        part = parse_lora_node(node.name)
+        if part is not None and part.part == "A":
+            groups[part.site][part.adapter] = node
     routed = 0
     conditions = {"vision": is_vision, "speech": is_speech}
     for owner, a_nodes in groups.items():
@@ -170,9 +168,8 @@ def _sites(a_nodes: dict[str, ir.Node]) -> list[_Site]:
             (add_use,) = list(b_node.outputs[0].uses())
             add = add_use.node
             base = add.inputs[1 - add_use.idx]  # the base output, or the previous adapter's Add: walk back to it
-            while base.producer() is not None and base.producer().op_type == "Add" and "/lora." in base.producer().name:
-                base = next(i for i in base.producer().inputs if i.producer() is None
-                            or "/lora_B." not in (i.producer().name or ""))
+            while base.producer() is not None and _part(base.producer()) == "Add":
+                base = next(i for i in base.producer().inputs if i.producer() is None or _part(i.producer()) != "B")
             key = id(base)
             if key not in by_base:
                 by_base[key] = _Site(base, add.outputs[0], {}, {})
@@ -183,6 +180,12 @@ def _sites(a_nodes: dict[str, ir.Node]) -> list[_Site]:
     for site in by_base.values():
         site.out = _last_add(site)
     return [by_base[k] for k in order]
+
+
+def _part(node: ir.Node) -> str | None:
+    """Which part of a LoRA branch `node` is ("A", "B", "Add"), or None."""
+    part = parse_lora_node(node.name)
+    return part.part if part is not None else None
 
 
 def _last_add(site: _Site) -> ir.Value:

@@ -1,17 +1,16 @@
-"""Which decoder files a build makes: one variant per file, with the LoRA adapters it runs or merges."""
+"""The decoder plan of a build: which decoder files it makes (one variant per file, with the LoRA adapters it runs or
+merges) and which file answers each input mode. Computed once per build from options `validate_options` accepted."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from builder_plugin.config import Phi4MMConfig
-from builder_plugin.errors import DecoderBuildError
-from builder_plugin.layout import INPUT_MODES, MAIN_DECODER, SPLIT_DECODERS
+from builder_plugin.layout import INPUT_MODES, MAIN_DECODER, MODE_LORA, SPLIT_DECODERS
 from builder_plugin.options import LORA_ADAPTERS, BuildOptions
 
-# The LoRA of each input mode's decoder in a split build, in the order they are built and written (the main decoder,
-# the one genai_config.json names, first).
-SPLIT_LORAS: dict[str, str] = {"vision": "vision", "speech": "speech", "text": "none"}
+# The input modes of a split build's decoders in the order they are built and written: the main decoder, the one
+# genai_config.json names, first.
+SPLIT_ORDER: tuple[str, ...] = ("vision", "speech", "text")
 
 
 @dataclass(frozen=True)
@@ -30,39 +29,35 @@ class DecoderVariant:
         return self.lora == "routed"
 
 
-def decoder_variants(config: Phi4MMConfig, options: BuildOptions) -> tuple[DecoderVariant, ...]:
-    """The decoder files `options.lora` / `options.merge_lora` ask for; the first is the one genai_config names."""
-    lora = options.lora
-    if lora not in LORA_ADAPTERS:
-        raise DecoderBuildError(f"unknown lora choice {lora!r}")
-    if options.merge_lora and lora not in ("vision", "speech"):
-        raise DecoderBuildError(
-            f"merge_lora folds exactly one adapter into the base weights: use it with lora 'vision' or 'speech', "
-            f"not {lora!r}"
-        )
-    adapters = LORA_ADAPTERS[lora]
-    _require_adapters(config, adapters)
-    if options.merge_lora:
-        return (DecoderVariant(MAIN_DECODER, lora, merged=lora),)
-    if lora == "split":
-        return tuple(DecoderVariant(SPLIT_DECODERS[mode], adapter, adapters=LORA_ADAPTERS[adapter], input_mode=mode)
-                     for mode, adapter in SPLIT_LORAS.items())
-    return (DecoderVariant(MAIN_DECODER, lora, adapters=adapters),)
+@dataclass(frozen=True)
+class DecoderPlan:
+    variants: tuple[DecoderVariant, ...]  # the first is the one genai_config.json names
 
+    @classmethod
+    def for_options(cls, options: BuildOptions) -> DecoderPlan:
+        """The decoder files `options.lora` / `options.merge_lora` ask for."""
+        lora = options.lora
+        if options.merge_lora:
+            return cls((DecoderVariant(MAIN_DECODER, lora, merged=lora),))
+        if lora == "split":
+            return cls(tuple(DecoderVariant(SPLIT_DECODERS[mode], MODE_LORA[mode],
+                                            adapters=LORA_ADAPTERS[MODE_LORA[mode]], input_mode=mode)
+                             for mode in SPLIT_ORDER))
+        return cls((DecoderVariant(MAIN_DECODER, lora, adapters=LORA_ADAPTERS[lora]),))
 
-def _require_adapters(config: Phi4MMConfig, names: tuple[str, ...]) -> None:
-    missing = [n for n in names if n not in config.loras]
-    if missing:
-        raise DecoderBuildError(
-            f"the checkpoint has no {' / '.join(missing)} LoRA adapter (has: {sorted(config.loras) or 'none'}); "
-            "use --lora none"
-        )
+    @property
+    def self_routing(self) -> bool:
+        """Whether the build's decoder routes itself (every variant of one build has the same I/O)."""
+        return self.variants[0].self_routing
 
+    @property
+    def routing(self) -> str:
+        """manifest.json's routing: one self-routing decoder, a split build's file per mode, or one fixed decoder."""
+        if self.self_routing:
+            return "self"
+        return "split" if any(v.input_mode for v in self.variants) else "fixed"
 
-def decoders_by_input_mode(variants: tuple[DecoderVariant, ...]) -> tuple[str, dict[str, str]]:
-    """manifest.json's routing and decoder file per input mode: one self-routing decoder for every mode, a split
-    build's file per mode, or one fixed decoder for every mode."""
-    decoders = {mode: next(v.filename for v in variants if v.input_mode in (mode, None)) for mode in INPUT_MODES}
-    if variants[0].self_routing:
-        return "self", decoders
-    return ("split" if any(v.input_mode for v in variants) else "fixed"), decoders
+    @property
+    def decoders(self) -> dict[str, str]:
+        """manifest.json's decoder file per input mode, in INPUT_MODES order."""
+        return {mode: next(v.filename for v in self.variants if v.input_mode in (mode, None)) for mode in INPUT_MODES}

@@ -12,7 +12,7 @@ import torch
 
 from builder_plugin.checkpoint.reader import TensorRef
 from builder_plugin.dtypes import DTYPES, onnx_dtype
-from builder_plugin.quantize import ColumnChunkedTensor
+from builder_plugin.quant.weights import ColumnChunkedTensor
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from builder_plugin.config import SIGLIP_SO400M
+from builder_plugin.config import NATIVE_ADAPTER_DIRS, SIGLIP_SO400M
+from builder_plugin.layout import AUDIO_TOKEN_ID, IMAGE_TOKEN_ID
 from builder_plugin.testing.make_checkpoint.original_layout import generation_config
 from builder_plugin.testing.make_checkpoint.safetensors_writer import write_json, write_safetensors, write_sharded
 from builder_plugin.testing.make_checkpoint.tensors import PlannedTensor
@@ -15,13 +16,10 @@ from builder_plugin.testing.make_checkpoint.tensors import PlannedTensor
 if TYPE_CHECKING:
     from transformers import Phi4MultimodalConfig
 
-IMAGE_TOKEN_ID = 200010
-AUDIO_TOKEN_ID = 200011
 
 # PEFT full-matches target_modules against names relative to Phi4MultimodalForCausalLM; anchoring on model.layers
 # keeps it off the conformer's own o_proj / gate_up_proj / down_proj.
 PEFT_TARGET_MODULES = r"model\.layers\.\d+\.(self_attn\.(qkv_proj|o_proj)|mlp\.(gate_up_proj|down_proj))"
-NATIVE_ADAPTER_DIRS = {"vision": "vision-lora", "speech": "speech-lora"}
 
 
 def native_config(original: dict[str, Any]) -> Phi4MultimodalConfig:

@@ -1,4 +1,4 @@
-"""Tests of the PyTorch reference (builder_plugin.testing.reference) on tiny random checkpoints.
+"""Tests of the PyTorch reference (builder_plugin.reference) on tiny random checkpoints.
 
 The reference is the yardstick of every parity test, so it is checked against independent paths: PEFT-injected
 adapters instead of merged weights, the native end-to-end forward instead of the feature/embedding decomposition, the
@@ -15,14 +15,11 @@ import numpy as np
 import pytest
 import torch
 
+from builder_plugin.reference.checkpoint import read_safetensors_dir, split_original
+from builder_plugin.reference.errors import ReferenceModelError
+from builder_plugin.reference.model import Reference
+from builder_plugin.reference.native_config import native_config_from_original
 from builder_plugin.testing.make_checkpoint import make_checkpoint
-from builder_plugin.testing.reference import (
-    Reference,
-    ReferenceModelError,
-    _read_safetensors_dir,
-    _split_original,
-    native_config_from_original,
-)
 
 SEED = 0
 
@@ -209,7 +206,7 @@ def test_null_img_processor_means_siglip_so400m_and_release_values_override_nati
 
 
 def test_strict_load_reports_missing_and_unexpected_keys(checkpoints, ref):
-    state, _ = _split_original(_read_safetensors_dir(checkpoints[0]))
+    state, _ = split_original(read_safetensors_dir(checkpoints[0]))
     missing = dict(state)
     del missing[next(key for key in missing if key.endswith("sub_img_feature_extensor"))]
     with pytest.raises(ReferenceModelError, match="missing"):
@@ -536,8 +533,8 @@ def test_reference_configs_state_the_longrope_factor_transformers_would_derive(t
 
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
+    from builder_plugin.reference.native_config import native_config_from_dict, native_config_from_original
     from builder_plugin.testing.make_checkpoint.native_layout import native_config
-    from builder_plugin.testing.reference import native_config_from_dict, native_config_from_original
 
     raw = json.loads((tiny_checkpoint / "config.json").read_text())
     logging.Logger.warning_once.cache_clear()  # transformers warns once per process: let it warn again

@@ -12,30 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from builder_plugin.errors import InputError
+from builder_plugin.precisions import QUANTIZED_PRECISIONS
+from builder_plugin.quant.choices import ALGO_CONFIGS, BLOCK_SIZES, MIXED_SELECTORS, OP_TYPES, QUANT_TYPE_BITS
 
-# The base quantization methods (builder_plugin.quantize implements them): onnxruntime's MLAS kernel,
-# neural-compressor RTN and k-quant. Declared here, with the other option tables, so parsing the command line needs
-# neither numpy nor onnx.
-METHODS: tuple[str, ...] = ("default", "rtn", "k_quant")
-# Quant type (also the -p precision of that name) -> bits.
-QUANT_TYPE_BITS: dict[str, int] = {"int4": 4, "int8": 8}
-QUANTIZED_PRECISIONS: tuple[str, ...] = tuple(QUANT_TYPE_BITS)
-
-# algo_config value -> (base method, mixed-precision placement it implies): the base methods, and
-# quant_config._LEGACY_ALGO_ALIASES.
-ALGO_CONFIGS: dict[str, tuple[str, dict[str, str]]] = {
-    **{method: (method, {}) for method in METHODS},
-    "rtn_last": ("rtn", {"last_matmul": "int8"}),
-    "k_quant_last": ("k_quant", {"last_matmul": "int8"}),
-    "k_quant_mixed": ("k_quant", {"last_matmul": "int8", "mixed_layers": "int8"}),
-    "k_quant_linear": ("k_quant", {"last_matmul": "int8", "linear_attn": "int8"}),
-}
-# What a build gets without algo_config, by precision (README "Quantization choices" says why). int8 has nothing to
-# mix in and the MLAS int8 kernel is both the fastest to build and, per the stock builder's notes, the more accurate.
-DEFAULT_ALGO_CONFIG: dict[str, str] = {"int4": "k_quant_mixed", "int8": "default"}
-MIXED_SELECTORS: tuple[str, ...] = ("last_matmul", "mixed_layers", "linear_attn")
-BLOCK_SIZES: tuple[int, ...] = (16, 32, 64, 128, 256)
-OP_TYPES: tuple[str, ...] = ("MatMul", "Gather")
 _BOOL_WORDS = {"1": True, "true": True, "True": True, "0": False, "false": False, "False": False}
 
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import onnx_ir as ir
 
-from builder_plugin.extra_options import ALGO_CONFIGS, QUANT_TYPE_BITS
 from builder_plugin.options import BuildOptions
-from builder_plugin.quantize import QuantScheme
+from builder_plugin.quant.choices import ALGO_CONFIGS, QUANT_TYPE_BITS
+from builder_plugin.quant.kernels import QuantScheme
 
 # The GenAI builder's names for the lm_head MatMul and its weight [hidden, vocab]. The embedding's quantized token table
 # is computed under the weight's name (the quantizer names its pieces after it), so it is the decoder's very tensors.

@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from builder_plugin.reference.model import GreedyResult, Reference
 from builder_plugin.runtime import Chat, Sampling, Turn, build_prompt
-from builder_plugin.testing.reference import GreedyResult, Reference
 
 NEAR_TIE = 1e-3  # top-1 minus top-2 reference logit below which fp32 rounding may flip the argmax
 LOGITS_ATOL = 1e-3

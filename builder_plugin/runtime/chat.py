@@ -57,7 +57,7 @@ from builder_plugin.runtime.guidance import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Gui
 from builder_plugin.runtime.kv_cache import kv_bytes_per_token
 from builder_plugin.runtime.manifest import Manifest
 from builder_plugin.runtime.media import check_audio, check_image, decoder_reason
-from builder_plugin.runtime.prompt import ASSISTANT, END, Turn, build_prompt, user_content, user_turn
+from builder_plugin.runtime.prompt import ASSISTANT, END, PLACEHOLDERS, Turn, build_prompt, user_content, user_turn
 from builder_plugin.runtime.threads import thread_overlay
 from builder_plugin.runtime.tokens import MAX_TOP_LOGPROBS, TokenBytes, TokenLogprob, token_logprob
 
@@ -125,7 +125,13 @@ class _Loaded:
     eos: frozenset[int]
     end_id: int  # <|end|>
     assistant_id: int  # <|assistant|>
+    placeholders: frozenset[int] = frozenset()  # the image and audio placeholder ids: inputs only
     _markers: dict[int, str] | None = None
+
+    @property
+    def stops(self) -> frozenset[int]:
+        """Ids that end an answer and are not part of it."""
+        return self.eos | self.placeholders
 
     def markers(self) -> dict[int, str]:
         """The tool-call marker tokens of this tokenizer (id -> text); empty when it has none."""
@@ -141,8 +147,10 @@ class _Loaded:
     def of(cls, model: Any) -> _Loaded:
         tokenizer = og.Tokenizer(model)
         (end,), (assistant,) = tokenizer.encode(END), tokenizer.encode(ASSISTANT)
+        placeholders = [[int(t) for t in tokenizer.encode(text)] for text in PLACEHOLDERS]
         return cls(model, model.create_multimodal_processor(), tokenizer,
-                   frozenset(int(t) for t in tokenizer.eos_token_ids), int(end), int(assistant))
+                   frozenset(int(t) for t in tokenizer.eos_token_ids), int(end), int(assistant),
+                   frozenset(ids[0] for ids in placeholders if len(ids) == 1))
 
 
 @dataclass
@@ -474,7 +482,7 @@ class Chat:
         ids: list[int] = []
         try:
             for token, piece in self._run(request, max_new_tokens, keep=True):
-                if token not in request.loaded.eos:
+                if token not in request.loaded.stops:
                     ids.append(token)
                 pieces.append(piece)
                 yield piece
@@ -611,7 +619,7 @@ class Chat:
                 self._live = live
         tokenizer = live.loaded.tokenizer
         stream = tokenizer.create_stream()
-        eos = live.loaded.eos
+        stops, placeholders = live.loaded.stops, live.loaded.placeholders
         markers = live.loaded.markers()
         first = None
         count = 0
@@ -626,17 +634,21 @@ class Chat:
                     recomputed = True
                 live.generator.generate_next_token()
                 token = int(live.generator.get_next_tokens()[0])
-                if self.keep_logits or (request.logprobs is not None and token not in eos):
+                if self.keep_logits or (request.logprobs is not None and token not in stops):
                     logits = np.asarray(live.generator.get_output("logits"), np.float32)
                     logits = logits.reshape(-1, logits.shape[-1])[-1].copy()
                     if self.keep_logits:
                         self.last_logits.append(logits)
-                    if request.logprobs is not None and token not in eos:
+                    if request.logprobs is not None and token not in stops:
                         self.last_logprobs.append(token_logprob(logits, token, request.logprobs, self.token_bytes))
                 count += 1
                 if first is None:
                     first = time.perf_counter()
-                if token in eos:
+                if token in stops:
+                    if token in placeholders:
+                        # a placeholder fed back would ask the embedding graph for feature rows it is not given: the
+                        # generator is run back by that id, and the answer ends there
+                        live.generator.rewind_to(int(live.generator.token_count()) - 1)
                     finish = "stop"
                     yield token, ""
                     break

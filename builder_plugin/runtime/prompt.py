@@ -13,7 +13,8 @@ END = "<|end|>"  # end of a turn; also the end-of-sequence token that closes an 
 ASSISTANT = "<|assistant|>"
 USER, TOOL = "user", "tool"  # roles of a question: a user's, or the results of the calls in the answer before it
 _TAG = re.compile(r"<\|(image|audio)_(\d+)\|>")
-_PLACEHOLDER = re.compile(r"<\|endoftext1[01]\|>")
+PLACEHOLDERS = ("<|endoftext10|>", "<|endoftext11|>")  # the image and audio placeholders the processor writes
+_PLACEHOLDER = re.compile("|".join(map(re.escape, PLACEHOLDERS)))
 
 
 @dataclass(frozen=True)

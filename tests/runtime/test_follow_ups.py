@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from builder_plugin.layout import IMAGE_TOKEN_ID
 from builder_plugin.reference.model import GreedyResult, Reference
 from builder_plugin.runtime import Chat, Sampling, Turn, build_prompt
 
@@ -272,3 +273,29 @@ def test_a_follow_up_with_other_sampling_starts_a_new_generator(tiny_package):
     assert fresh.token_ids == chat.token_ids
     list(chat.ask("And?", max_new_tokens=3, sampling=sampling))  # the same options again: the generator is kept
     assert chat.last_stats.reused_tokens > 0
+
+
+def test_a_generated_placeholder_ends_the_answer_and_is_not_fed_back(tiny_package, reference):
+    """The tiny random model generates the image placeholder id after 63 tokens of this answer (the reference's
+    greedy loop does too). Fed back, the embedding graph would be asked for an image feature row it is not given:
+    the answer ends there instead ("stop"), the generator holds the ids before it, and a follow-up goes on from
+    them as a fresh conversation restored from the turns does."""
+    system, question = "You are a concise assistant.", "Translate 'good morning' into Spanish. (request 52)"
+    chat = Chat(tiny_package, system=system)
+    chat.keep_logits = True
+    list(chat.ask(question, max_new_tokens=256))
+    stats = chat.last_stats
+    ids = chat.token_ids
+    prompt = stats.prompt_tokens
+    expected = reference.prefill_and_greedy({"input_ids": np.array([ids[:prompt]], np.int64)},
+                                            max_new_tokens=stats.new_tokens)
+    assert expected.tokens[-1] == IMAGE_TOKEN_ID and IMAGE_TOKEN_ID not in expected.tokens[:-1]
+    assert stats.finish_reason == "stop" and ids[prompt:] == expected.tokens[:-1]
+    assert chat.turns[-1].answer_ids == tuple(expected.tokens[:-1])
+
+    list(chat.ask("And again?", max_new_tokens=4))
+    assert chat.last_stats.reused_tokens == len(ids) - 1
+    fresh = Chat(tiny_package, system=system)
+    fresh.restore(chat.turns[:1])
+    list(fresh.ask("And again?", max_new_tokens=4))
+    assert fresh.token_ids == chat.token_ids

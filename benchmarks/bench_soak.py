@@ -90,9 +90,11 @@ def section(results: dict[str, Any]) -> str:
             "two, bad requests (each must get its 4xx and OpenAI's error object), and conversations that grow by one "
             "question per request, regenerate their last answer or edit their last question, their requests "
             "interleaved between the clients (builder_plugin/testing/soak.py). Every answer is compared with an "
-            "independent `Chat` on the same package (greedy). Server RSS and threads: after the first 50 requests "
-            "and at the end, both with no request out; the check is growth <= 5 % and no more threads. Exit = the "
-            "server's status on SIGTERM; files left = in its --media-cache folder after it stopped.\n\n" + table)
+            "independent `Chat` on the same package (greedy). The first requests, one per client sent at the same "
+            "moment, are the longest prompt of the run. Server RSS and threads: after the first 50 requests and at "
+            "the end, both with no request out; the check is growth <= 5 % and no more threads. Exit = the server's "
+            "status on SIGTERM; files left = in its --media-cache folder after it stopped. The load average (2 "
+            "cores) is the machine's at the end.\n\n" + table)
 
 
 def main(argv: list[str] | None = None) -> int:

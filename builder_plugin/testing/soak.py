@@ -35,6 +35,7 @@ from builder_plugin.testing.soak_traffic import Answer, Question, Step, Traffic,
 
 SAMPLE_EVERY = 50  # requests between the samples taken under load after the first one (reported, not checked)
 STOP_TIMEOUT_S = 60
+BURST_TIMEOUT_S = 30  # the first requests of the clients wait this long for each other
 MiB = 1 << 20
 
 
@@ -128,13 +129,13 @@ def run_soak(package: str | Path, *, requests: int, concurrency: int, seed: int,
         cache = work / "media-cache"
         server = ServerProcess(package, cache, work, server_args)
         report.server_command = server.command
-        traffic = Traffic(requests, seed, media, max_tokens, open_conversations=concurrency + 2)
+        traffic = Traffic(requests, seed, media, max_tokens, clients=concurrency)
         run = _Run(server, traffic, report, log)
         try:
             server.start(deadline)
             log(f"serving {server.model_id} at {server.url} (pid {server.pid})")
             started = time.monotonic()
-            run.drive(warmup, deadline)
+            run.drive(warmup, deadline, burst=min(traffic.burst, warmup))
             run.sample()
             run.drive(requests, deadline)
             report.duration_s = time.monotonic() - started
@@ -172,10 +173,12 @@ class _Run:
         self.counts: Counter[str] = Counter()
         self._lock = threading.Lock()
 
-    def drive(self, until: int, deadline: float) -> None:
-        """Send the plan's requests before number `until` from `concurrency` threads; return when all are answered."""
-        threads = [threading.Thread(target=self._client, args=(until, deadline), name=f"soak-client-{i}")
-                   for i in range(self.report.concurrency)]
+    def drive(self, until: int, deadline: float, burst: int = 0) -> None:
+        """Send the plan's requests before number `until` from `concurrency` threads; return when all are answered.
+        The first request of each of the first `burst` threads goes out at the same moment."""
+        together = threading.Barrier(burst) if burst > 1 else None
+        threads = [threading.Thread(target=self._client, args=(until, deadline, together if i < burst else None),
+                                    name=f"soak-client-{i}") for i in range(self.report.concurrency)]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -189,13 +192,17 @@ class _Run:
         self.log(f"{report.completed}/{report.requests} requests, server RSS {report.rss_samples[-1][1] / MiB:.1f} "
                  f"MiB, {report.thread_samples[-1][1]} threads")
 
-    def _client(self, until: int, deadline: float) -> None:
+    def _client(self, until: int, deadline: float, together: threading.Barrier | None) -> None:
         client = SoakClient(self.server.url, self.server.model_id, self.report.max_tokens)
         try:
             while (step := self.traffic.take(until, deadline)) is not None:
                 with self._lock:
                     self.counts[step.kind] += 1
                     self.report.streamed += step.stream
+                if together is not None:
+                    with contextlib.suppress(threading.BrokenBarrierError):
+                        together.wait(timeout=BURST_TIMEOUT_S)
+                    together = None
                 started = time.monotonic()
                 try:
                     answer, error = client.send(step, timeout=max(1.0, deadline - started)), None

@@ -17,7 +17,7 @@ KIND_WEIGHTS = {"text": 0.14, "image": 0.12, "audio": 0.10, "cancelled": 0.08, "
 CONVERSATION_STEPS = {"follow-up": 0.6, "regenerate": 0.2, "edit": 0.2}
 MAX_QUESTIONS = 6  # a conversation is closed after this many questions (another one is opened)
 MAX_IMAGES = 2  # in a request or a conversation: the largest prompt is sent before the first memory sample
-CANCEL_MAX_TOKENS = 256  # a cancelled stream asks for this many: the server has to stop it, not run out
+CANCEL_MAX_TOKENS = 48  # a cancelled stream asks for this many (~0.25 s on the tiny package): the server stops it
 
 PROMPTS = ("Describe what you get.", "Name three colours and say why you like them.", "What is the capital of France?",
            "Tell me a short story about a lighthouse.", "Explain how a bicycle works.", "Summarise this in one line.",
@@ -205,16 +205,21 @@ class Traffic:
 
     The whole plan is drawn from the seed up front, so a run sends the same requests whichever thread sends which
     (a conversation's history holds the server's answers, the same ones while they equal Chat's): a failure seen
-    once comes back with the same seed. The first requests are the largest prompt of the run (MAX_IMAGES
-    photographs and a clip) and one of each kind, so every session is in use and the largest inputs were prepared
-    before the first memory sample; the rest are drawn from KIND_WEIGHTS. A conversation's requests go out one at a
-    time, in plan order, from whichever thread is free; up to `open_conversations` are open at once."""
+    once comes back with the same seed.
 
-    def __init__(self, requests: int, seed: int, media: Media, max_tokens: int, open_conversations: int) -> None:
+    The first `clients` requests are the largest prompt of the run (MAX_IMAGES photographs, a clip and a
+    conversation's worth of text), meant to be sent at once (see `burst`), then comes one request of each kind: by
+    the first memory and thread sample every session is in use, the largest inputs were prepared and as many
+    requests were read at once as there are clients. The rest are drawn from KIND_WEIGHTS. A conversation's
+    requests go out one at a time, in plan order, from whichever thread is free; up to `clients` + 2 are open at
+    once."""
+
+    def __init__(self, requests: int, seed: int, media: Media, max_tokens: int, clients: int) -> None:
         self.media = media
         self.max_tokens = max_tokens
         self.bad = bad_cases(media)
-        self.plan = _Planner(random.Random(seed), self, open_conversations).plan(requests)
+        self.burst = min(clients, requests)  # the first requests, one per client
+        self.plan = _Planner(random.Random(seed), self, open_conversations=clients + 2).plan(requests, self.burst)
         self.conversations: dict[int, Conversation] = {}
         self._untaken = list(range(len(self.plan)))
         self._changed = threading.Condition()
@@ -290,11 +295,11 @@ class _Planner:
         self.open: list[tuple[int, str | None, list[Question]]] = []  # (number, system, questions so far)
         self.opened = 0
 
-    def plan(self, requests: int) -> list[Planned]:
+    def plan(self, requests: int, largest: int) -> list[Planned]:
         first = list(KIND_WEIGHTS)
         self.rng.shuffle(first)
         rest = self.rng.choices(list(KIND_WEIGHTS), weights=list(KIND_WEIGHTS.values()), k=requests)
-        kinds = ["largest", *first, *rest][:requests]
+        kinds = (["largest"] * largest + first + rest)[:requests]
         return [self._planned(index, kind) for index, kind in enumerate(kinds)]
 
     def _planned(self, index: int, kind: str) -> Planned:

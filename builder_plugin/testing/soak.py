@@ -28,10 +28,14 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from builder_plugin.testing.soak_client import SoakClient
 from builder_plugin.testing.soak_server import ServerProcess
 from builder_plugin.testing.soak_traffic import Answer, Question, Step, Traffic, soak_media
+
+if TYPE_CHECKING:
+    from builder_plugin.runtime import Chat
 
 SAMPLE_EVERY = 50  # requests between the samples taken under load after the first one (reported, not checked)
 STOP_TIMEOUT_S = 60
@@ -156,7 +160,8 @@ def run_soak(package: str | Path, *, requests: int, concurrency: int, seed: int,
         report.checked_answers = len(answered)
         log(f"{report.completed} requests in {report.duration_s:.1f} s; server exit status {report.exit_code}; "
             f"comparing {len(answered)} answers with Chat")
-        compare_with_chat(package, run.exchanges, report)
+        if run.exchanges:
+            compare_with_chat(package, run.exchanges, report)
     return report
 
 
@@ -237,7 +242,7 @@ class ReferenceChat:
     """Chat's answers to conversations, each asked in order after clear(); a conversation that extends the one
     asked last asks only its new question."""
 
-    def __init__(self, chat, max_tokens: int) -> None:
+    def __init__(self, chat: Chat, max_tokens: int) -> None:
         self.chat = chat
         self.max_tokens = max_tokens
         self.answers: dict[tuple[str | None, tuple[Question, ...]], Answer] = {}

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-# Kinds of the plan and their shares; "conversation" becomes new / follow-up / regenerate / edit when it is sent.
+# Kinds of the plan and their shares; "conversation" becomes new / follow-up / regenerate / edit in the plan.
 KIND_WEIGHTS = {"text": 0.14, "image": 0.12, "audio": 0.10, "cancelled": 0.08, "bad": 0.10, "conversation": 0.46}
 CONVERSATION_STEPS = {"follow-up": 0.6, "regenerate": 0.2, "edit": 0.2}
 MAX_QUESTIONS = 6  # a conversation is closed after this many questions (another one is opened)
@@ -92,7 +92,7 @@ class Step:
 
     def describe(self) -> str:
         """Which request this was and what it sent, e.g. "request 12 (edit, streamed; system; 3 questions: q1
-        astronaut.png clip_1s.wav, q3)"."""
+        astronaut.png clip_1s.wav, q3 coffee.jpg)"."""
         if self.bad is not None:
             return f"request {self.index} (bad: {self.bad.name}{', streamed' if self.stream else ''})"
         media = [" ".join([f"q{i + 1}", *(p.name for p in (*q.images, *q.audios))])
@@ -119,6 +119,7 @@ def photographs(folder: Path) -> tuple[Path, ...]:
 
 
 def soak_media(folder: Path) -> Media:
+    """The photographs and three clips (8 and 16 kHz) a run sends, written to `folder`."""
     from builder_plugin.testing.media import make_wav
 
     # The longest clip first.
@@ -157,6 +158,7 @@ def messages_for(system: str | None, asked: tuple[Question, ...], answers: list[
 
 
 def bad_cases(media: Media) -> tuple[BadCase, ...]:
+    """Requests the server must refuse, each with the status, error code and message it must get."""
     hi = {"role": "user", "content": "Hi"}
 
     def image_of(data: bytes, mime: str = "image/png") -> dict:

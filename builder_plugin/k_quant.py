@@ -11,15 +11,24 @@ copies the best candidate's codes at each step, which it never reads again; that
 
 Chunks are independent, so `BlockPool` spreads them over threads: numpy releases the GIL inside each operation, and
 threads share the weight instead of copying it to other processes.
+
+`k_quant_chunk` runs the same search compiled with numba (`builder_plugin.k_quant_numba`, several times faster, the
+same bits) when numba can be imported, and this numpy kernel otherwise (`KERNEL` says which).
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+
+try:
+    from builder_plugin import k_quant_numba
+except ImportError:  # numba missing, or not built for this numpy
+    k_quant_numba = None
 
 # Blocks per chunk: large enough that the ~50 numpy calls of a candidate step cost little against their work, small
 # enough that a thread's work arrays stay in the caches (six of 32 x 8192 float32 are 6 MB). 4096 to 32768 measured
@@ -28,6 +37,9 @@ CHUNK_BLOCKS = 8192
 STEPS = 20
 RDELTA = 0.1
 RRMIN = -1
+KERNEL = "numpy" if k_quant_numba is None else "numba"
+_NOTICE = threading.Lock()
+_noticed = False
 
 
 class _Scratch(threading.local):
@@ -84,13 +96,36 @@ def _sum(values: np.ndarray, lanes: np.ndarray, sequential: bool) -> np.ndarray:
     return total
 
 
+def candidate_factors(bits: int) -> np.ndarray:
+    """Each candidate step's factor as the reference computes it: in Python floats, then cast to float32."""
+    maxq, minq = 2**bits - 1, 0
+    return np.array([RRMIN + RDELTA * step + maxq - minq for step in range(STEPS)]).astype(np.float32)
+
+
 def k_quant_chunk(chunk: np.ndarray, bits: int, sequential: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`quant_tensor_k_quant_cpu` on `chunk` [blocks, group_size]: codes (uint8, [blocks, group_size]), scale (float64)
     and zero point (uint8), each [blocks, 1]. `sequential`: the reference's sums run in order, as they do when its
     input is Fortran-ordered (a weight of one block per column, whose transpose numpy reshapes without a copy).
+    The numba kernel when numba is there, else `numpy_k_quant_chunk`."""
+    if k_quant_numba is not None and k_quant_numba.supports(chunk.shape[1]):
+        return k_quant_numba.k_quant_chunk(chunk, bits, candidate_factors(bits), sequential)
+    _notice_numpy_kernel()
+    return numpy_k_quant_chunk(chunk, bits, sequential)
 
-    The work arrays hold one value of every block per row ([group_size, blocks]), so that each operation runs over
-    contiguous values and a block's sums are row operations."""
+
+def _notice_numpy_kernel() -> None:
+    global _noticed
+    with _NOTICE:
+        if not _noticed and k_quant_numba is None:
+            print("k-quant: numba is not installed, so its search runs in numpy, several times slower "
+                  "(pip install numba)", file=sys.stderr, flush=True)
+        _noticed = True
+
+
+def numpy_k_quant_chunk(chunk: np.ndarray, bits: int,
+                        sequential: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`k_quant_chunk` in numpy. The work arrays hold one value of every block per row ([group_size, blocks]), so that
+    each operation runs over contiguous values and a block's sums are row operations."""
     with np.errstate(all="ignore"):  # a constant block divides by zero, as in the reference, and is then not chosen
         return _k_quant_chunk(chunk, bits, sequential)
 

@@ -37,7 +37,7 @@ CHUNK_BLOCKS = 8192
 STEPS = 20
 RDELTA = 0.1
 RRMIN = -1
-KERNEL = "numpy" if k_quant_numba is None else "numba"
+KERNEL = "numpy" if k_quant_numba is None else "numba"  # what k_quant_chunk runs (a benchmark sets "numpy" to compare)
 _NOTICE = threading.Lock()
 _noticed = False
 
@@ -107,19 +107,32 @@ def k_quant_chunk(chunk: np.ndarray, bits: int, sequential: bool = False) -> tup
     and zero point (uint8), each [blocks, 1]. `sequential`: the reference's sums run in order, as they do when its
     input is Fortran-ordered (a weight of one block per column, whose transpose numpy reshapes without a copy).
     The numba kernel when numba is there, else `numpy_k_quant_chunk`."""
-    if k_quant_numba is not None and k_quant_numba.supports(chunk.shape[1]):
+    if KERNEL == "numba" and k_quant_numba.supports(chunk.shape[1]):
         return k_quant_numba.k_quant_chunk(chunk, bits, candidate_factors(bits), sequential)
-    _notice_numpy_kernel()
+    if k_quant_numba is None:
+        _notice_numpy_kernel()
     return numpy_k_quant_chunk(chunk, bits, sequential)
 
 
 def _notice_numpy_kernel() -> None:
     global _noticed
     with _NOTICE:
-        if not _noticed and k_quant_numba is None:
-            print("k-quant: numba is not installed, so its search runs in numpy, several times slower "
+        if not _noticed:
+            print("k-quant: numba is not installed, so the search runs in numpy, several times slower "
                   "(pip install numba)", file=sys.stderr, flush=True)
         _noticed = True
+
+
+def k_quant_weight(weight: np.ndarray, block_size: int, bits: int, sequential: bool,
+                   pool: BlockPool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`quant_tensor_k_quant_cpu(weight.T, bits, block_size)` of a padded slab [k_blocks * block_size, cols] on the
+    pool's threads: codes [cols * k_blocks, block_size], scales and zero points [cols * k_blocks, 1], one row per
+    block of one column. The numba kernel reads the blocks in place; the numpy one gets them transposed."""
+    if KERNEL == "numba" and k_quant_numba.supports(block_size):
+        return k_quant_numba.k_quant_columns(weight, block_size, bits, candidate_factors(bits), sequential, pool,
+                                             CHUNK_BLOCKS)
+    blocks = weight.T.reshape(-1, block_size)  # one row per block of one column, as the reference reshapes
+    return pool.run(lambda chunk: k_quant_chunk(chunk, bits, sequential), blocks, np.uint8, np.float64)
 
 
 def numpy_k_quant_chunk(chunk: np.ndarray, bits: int,
@@ -223,21 +236,25 @@ class BlockPool:
         scales = np.empty((rows, 1), scale_dtype)
         zero_points = np.empty((rows, 1), np.uint8)
 
-        def one(start: int) -> None:
+        def one(chunk: int) -> None:
+            start = chunk * CHUNK_BLOCKS
             stop = min(rows, start + CHUNK_BLOCKS)
             q, scale, zp = function(data[start:stop])
             codes[start:stop] = q
             scales[start:stop] = scale
             zero_points[start:stop] = zp
 
-        starts = range(0, rows, CHUNK_BLOCKS)
-        if self._executor is None or len(starts) == 1:
-            for start in starts:
-                one(start)
-        else:
-            for future in [self._executor.submit(one, start) for start in starts]:
-                future.result()
+        self.each(one, -(-rows // CHUNK_BLOCKS))
         return codes, scales, zero_points
+
+    def each(self, function: Callable[[int], None], count: int) -> None:
+        """function(0), ..., function(count - 1) on the threads, each index once."""
+        if self._executor is None or count == 1:
+            for i in range(count):
+                function(i)
+        else:
+            for future in [self._executor.submit(function, i) for i in range(count)]:
+                future.result()
 
     def close(self) -> None:
         if self._executor is not None:

@@ -52,20 +52,52 @@ def supports(group_size: int) -> bool:
     return group_size % 8 == 0 and 8 <= group_size <= MAX_GROUP
 
 
+def k_quant_columns(weight: np.ndarray, block_size: int, bits: int, factors: np.ndarray, sequential: bool,
+                    pool, chunk_blocks: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`quant_tensor_k_quant_cpu(weight.T, bits, block_size)` of a slab [k_blocks * block_size, cols]: codes (uint8,
+    [cols * k_blocks, block_size]), scale (float64) and zero point (uint8), each [cols * k_blocks, 1], one row per
+    block of one column (the reference's order). The kernel reads the blocks from the slab where they are (no
+    transposed copy); `pool` (a `k_quant.BlockPool`) runs ranges of about `chunk_blocks` blocks' columns on its
+    threads. `factors`: each candidate step's float32 factor; `sequential`: each block's sums run in order, as the
+    reference's do when its input is Fortran-ordered."""
+    if not supports(block_size):
+        raise ValueError(f"the numba k-quant kernel takes blocks of 8 to {MAX_GROUP} values in eights, "
+                         f"not {block_size}")
+    rows, cols = weight.shape
+    k_blocks = rows // block_size
+    if k_blocks * block_size != rows:
+        raise ValueError(f"{rows} rows are not whole blocks of {block_size}")
+    codes = np.empty((cols * k_blocks, block_size), np.uint8)
+    scales = np.empty(cols * k_blocks, np.float64)
+    zero_points = np.empty(cols * k_blocks, np.uint8)
+    step = max(1, chunk_blocks // max(1, k_blocks))
+
+    def one(chunk: int) -> None:
+        c0, c1 = chunk * step, min(cols, (chunk + 1) * step)
+        if c0 >= c1:
+            return
+        part = np.ascontiguousarray(weight[:, c0:c1], dtype=np.float32)  # the reference's astype(np.float32)
+        b0, b1 = c0 * k_blocks, c1 * k_blocks
+        search(part, block_size, 2**bits - 1, factors, sequential, codes[b0:b1], scales[b0:b1], zero_points[b0:b1])
+
+    pool.each(one, -(-cols // step))
+    return codes, scales[:, None], zero_points[:, None]
+
+
 def k_quant_chunk(chunk: np.ndarray, bits: int, factors: np.ndarray,
                   sequential: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """`quant_tensor_k_quant_cpu` on `chunk` [blocks, group_size]: codes (uint8, [blocks, group_size]), scale (float64)
-    and zero point (uint8), each [blocks, 1]. `factors`: each candidate step's float32 factor; `sequential`: each
-    block's sums run in order, as the reference's do when its input is Fortran-ordered."""
+    """`quant_tensor_k_quant_cpu` on `chunk` [blocks, group_size], on this thread: codes (uint8, [blocks,
+    group_size]), scale (float64) and zero point (uint8), each [blocks, 1]. Its blocks are the columns of a slab of
+    one block per column."""
     blocks, group_size = chunk.shape
     if not supports(group_size):
         raise ValueError(f"the numba k-quant kernel takes blocks of 8 to {MAX_GROUP} values in eights, "
                          f"not {group_size}")
-    data = np.ascontiguousarray(chunk, dtype=np.float32)  # the reference's astype(np.float32)
+    slab = np.ascontiguousarray(chunk.T, dtype=np.float32)
     codes = np.empty((blocks, group_size), np.uint8)
     scales = np.empty(blocks, np.float64)
     zero_points = np.empty(blocks, np.uint8)
-    search(data, 2**bits - 1, factors, sequential, codes, scales, zero_points)
+    search(slab, group_size, 2**bits - 1, factors, sequential, codes, scales, zero_points)
     return codes, scales[:, None], zero_points[:, None]
 
 
@@ -112,10 +144,15 @@ def _to_uint8(value):
 
 
 @numba.njit(**_JIT)
-def search(data, maxq_int, factors, sequential, codes, scales, zero_points):
-    """The k-quant search on the rows of `data` (float32 [blocks, group_size]) into `codes` (uint8 [blocks,
-    group_size]), `scales` (float64 [blocks]) and `zero_points` (uint8 [blocks]). `maxq_int`: 2**bits - 1."""
-    blocks, group_size = data.shape
+def search(slab, group_size, maxq_int, factors, sequential, codes, scales, zero_points):
+    """The k-quant search on the blocks of `slab` (float32 [k_blocks * group_size, cols], C order: block (c, kb) is
+    slab[kb * group_size:(kb + 1) * group_size, c]) into `codes` (uint8 [cols * k_blocks, group_size]), `scales`
+    (float64 [cols * k_blocks]) and `zero_points` (uint8 [cols * k_blocks]), block (c, kb) in row c * k_blocks + kb.
+    `maxq_int`: 2**bits - 1."""
+    rows, cols = slab.shape
+    k_blocks = rows // group_size
+    blocks = cols * k_blocks
+    values = slab.reshape(rows * cols)
     maxq = np.float32(maxq_int)
     zero = np.float32(0)
     one = np.float32(1)
@@ -126,13 +163,20 @@ def search(data, maxq_int, factors, sequential, codes, scales, zero_points):
     codes_tile = np.empty((MAX_GROUP, TILE), np.uint8)
     scale64 = np.empty(TILE, np.float64)
     zero_point64 = np.empty(TILE, np.float64)
+    start = np.empty(TILE, np.int64)  # where block t of the tile starts in `values`
+    row = np.empty(TILE, np.int64)  # and its row in the outputs
     first_lanes, second_lanes = LANES, LANES + LANE_ROWS  # three sums at a time, then the candidate's error
     third_lanes, mad_lanes = LANES + 2 * LANE_ROWS, LANES + 3 * LANE_ROWS
+    # Tiles of TILE consecutive blocks in the order (kb, c): the blocks of a tile sit side by side in the slab's rows.
     for first in range(0, blocks, TILE):
         count = min(TILE, blocks - first)
+        for t in range(count):
+            kb, c = divmod(first + t, cols)
+            start[t] = kb * group_size * cols + c
+            row[t] = c * k_blocks + kb
         for i in range(group_size):
             for t in range(count):
-                work[X + i, t] = data[first + t, i]
+                work[X + i, t] = values[start[t] + i * cols]
             for t in range(count, TILE):  # a short last tile: zero blocks, whose results are not read
                 work[X + i, t] = zero
 
@@ -229,7 +273,7 @@ def search(data, maxq_int, factors, sequential, codes, scales, zero_points):
                 code = top if code > top else code
                 codes_tile[i, t] = _to_uint8(code)
         for t in range(count):
-            scales[first + t] = scale64[t]
-            zero_points[first + t] = np.uint8(zero_point64[t])
+            scales[row[t]] = scale64[t]
+            zero_points[row[t]] = np.uint8(zero_point64[t])
             for i in range(group_size):
-                codes[first + t, i] = codes_tile[i, t]
+                codes[row[t], i] = codes_tile[i, t]

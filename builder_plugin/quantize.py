@@ -34,7 +34,7 @@ from builder_plugin.cpus import available_cpus
 from builder_plugin.dtypes import DTYPES, GRAPH_FLOATS
 from builder_plugin.extra_options import METHODS
 from builder_plugin.graph import MS_DOMAIN
-from builder_plugin.k_quant import BlockPool, k_quant_chunk
+from builder_plugin.k_quant import BlockPool, k_quant_weight
 
 BITS_CHOICES: tuple[int, ...] = (4, 8)
 # Float bytes quantized per slab when a weight can be produced column range by column range. k_quant's search keeps
@@ -244,12 +244,10 @@ def _neural_compressor(weight: np.ndarray, lay: _Layout, scheme: QuantScheme, pa
 
     cols = weight.shape[1]
     if scheme.method == "k_quant":
-        blocks = weight.T.reshape(-1, lay.block_size)  # one row per block of one column, as the reference reshapes
         # With one block per column the reference's reshape keeps the transpose's Fortran order (of the whole weight,
         # which it quantizes at once), and numpy sums such rows in order.
         sequential = lay.k_blocks == 1 and lay.n > 1
-        q, scale, zp = pool.run(lambda chunk: k_quant_chunk(chunk, scheme.bits, sequential), blocks, np.uint8,
-                                np.float64)
+        q, scale, zp = k_quant_weight(weight, lay.block_size, scheme.bits, sequential, pool)
     else:
         q, scale, zp = quant_tensor(weight.T, scheme.bits, lay.block_size, "sym" if scheme.symmetric else "asym",
                                     "uint", 1)

@@ -4,19 +4,23 @@
 400 passes over arrays of the chunk's size per chunk, so it waits on memory. Here `TILE` blocks at a time run their
 whole 20-candidate search in one small work array of one row per value (value i of every block of the tile in row i),
 which stays in the L1/L2 cache; each loop over a row compiles to a few AVX-512 (or AVX2) instructions, and the running
-sums are updated as the values are computed instead of after a pass over a temporary.
+sums are updated as the values are computed instead of after a pass over a temporary. A tile is 128 blocks side by
+side in a weight slab's rows, read where they are (no transposed copy of the weight).
 
 Every value is the reference's: the same float32 operations in the same order (numba without fastmath neither
 reassociates nor contracts a * b + c into a fused multiply-add), numpy's summation order for each block's sums,
-np.round's round-half-to-even (np.rint), nan propagating through np.clip's bounds, division by zero giving inf or nan
-as in numpy (`error_model="numpy"`: a constant block's candidates come out nan and are never chosen), and the final
-codes computed in float64 from the float32 scale as numpy promotes them. Two liberties do not change any bit:
+np.round's round-half-to-even (np.rint), nan propagating through np.clip's bounds and np.min / np.max, division by zero
+giving inf or nan as in numpy (`error_model="numpy"`: a constant block's candidates come out nan and are never chosen),
+and the final codes computed in float64 from the float32 scale as numpy promotes them. Three liberties change no bit,
+as they only change the sign of a zero:
 
 - numpy's pairwise sum of a block starts its eight running sums from the block's first eight values; here they start
-  from +0.0 and add them. The two differ only in the sign of a running sum that is zero, and a zero's sign is lost as
-  soon as a nonzero value is added to it, and in the +0.0 that numpy's reduction starts the total from.
-- np.clip turns a code of -0.0 into +0.0; here it stays -0.0. A code is only multiplied into sums (same argument) and
-  into `scale * code + min - x`, whose square is the same for either zero.
+  from +0.0 and add them. A running sum can differ only when it is zero; adding a nonzero value to it loses the sign,
+  and a total of zero is +0.0 in both, since numpy's reduction adds the pairwise sum to its +0.0 start.
+- np.clip turns a code of -0.0 into +0.0; here it stays -0.0. A code is only multiplied into sums (as above) and
+  into `scale * code + min - x`, which is squared.
+- np.min / np.max of a block holding both zeros may return either; here the first one. The minimum enters `x - min` (a
+  code of either zero), `scale * code + min - x` (squared) and the zero point `-min / scale`, 0 either way.
 
 The kernel holds no Python objects and releases the GIL (`nogil`), so `k_quant.BlockPool`'s threads run it side by side
 on their chunks. It is compiled on first use (a few seconds) and cached on disk (`cache=True`: in `__pycache__` next to
@@ -29,7 +33,7 @@ import numba
 import numpy as np
 
 TILE = 128  # blocks searched together: one row is 8 AVX-512 registers; 64 and 256 measured slower
-MAX_GROUP = 256  # the largest block size MatMulNBits takes
+MAX_GROUP = 256  # the largest block size MatMulNBits takes: the work array has rows for that many values
 PAIRWISE_BLOCK = 128  # numpy's pairwise summation keeps eight running sums per this many values, halves above
 
 # Rows of the work array: the tile's values, weights and codes (one row per value of a block), the running sums of four

@@ -125,3 +125,37 @@ def test_the_builder_runs_the_numba_kernel() -> None:
     blocks = _adversarial_blocks(np.random.default_rng(9), 32, 4)
     assert k_quant.KERNEL == "numba"
     _assert_same_bytes(k_quant.k_quant_chunk(blocks, 4), _numba_kernel(blocks, 4))
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+@pytest.mark.parametrize("kernel", list(KERNELS))
+@pytest.mark.parametrize("shape", [(256, 300), (32, 70), (96, 1)])
+def test_a_weight_slab_on_the_pool_equals_onnxruntime_routine(shape, kernel, jobs, monkeypatch) -> None:
+    """k_quant_weight, what the builder runs on a padded column slab [K, cols] (K = 32 and cols > 1: the reference's
+    blocks are strided and its sums run in order), with many chunks per slab, at 1 and 2 threads."""
+    monkeypatch.setattr(k_quant, "CHUNK_BLOCKS", 37)
+    monkeypatch.setattr(k_quant, "KERNEL", kernel)
+    weight = (np.random.default_rng(shape[1]).standard_normal(shape) * 0.05).astype(np.float32)
+    weight[:8, ::3] = 0.0
+    pool = k_quant.BlockPool(jobs)
+    try:
+        ours = k_quant.k_quant_weight(weight, 32, 4, shape[0] == 32 and shape[1] > 1, pool)
+    finally:
+        pool.close()
+    _assert_same_bytes(ours, _reference(weight.T, 4, 32))
+
+
+def test_without_numba_the_numpy_kernel_runs_and_says_so(monkeypatch, capsys) -> None:
+    monkeypatch.setattr(k_quant, "k_quant_numba", None)
+    monkeypatch.setattr(k_quant, "KERNEL", "numpy")
+    monkeypatch.setattr(k_quant, "_noticed", False)
+    blocks = _adversarial_blocks(np.random.default_rng(11), 32, 4)
+    pool = k_quant.BlockPool(1)
+    try:
+        ours = k_quant.k_quant_weight(np.ascontiguousarray(blocks.T), 32, 4, False, pool)
+        again = k_quant.k_quant_chunk(blocks, 4)
+    finally:
+        pool.close()
+    _assert_same_bytes(ours, _reference(blocks, 4, 32))
+    _assert_same_bytes(again, _reference(blocks, 4, 32))
+    assert capsys.readouterr().err.count("numba is not installed, so the search runs in numpy") == 1

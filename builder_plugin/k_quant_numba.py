@@ -116,11 +116,11 @@ def _lane(i, sequential):
 
 @numba.njit(**_JIT)
 def _finish(work, lanes, out, group_size, sequential):
-    """work[out] = every block's sum from its running sums in rows lanes...: numpy's reduction starts from 0.0 and adds
-    the pairwise sum, ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)) of each 128 values, 256 as two halves."""
+    """out[t] = block t's sum from its running sums in rows lanes... of `work`: numpy's reduction starts from 0.0 and
+    adds the pairwise sum, ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)) of each 128 values, 256 as two halves."""
     if sequential:
         for t in range(TILE):
-            work[out, t] = work[lanes, t]
+            out[t] = work[lanes, t]
         return
     halves = (group_size + PAIRWISE_BLOCK - 1) // PAIRWISE_BLOCK
     for t in range(TILE):
@@ -130,7 +130,7 @@ def _finish(work, lanes, out, group_size, sequential):
             part = (((work[r, t] + work[r + 1, t]) + (work[r + 2, t] + work[r + 3, t]))
                     + ((work[r + 4, t] + work[r + 5, t]) + (work[r + 6, t] + work[r + 7, t])))
             total = part if half == 0 else total + part
-        work[out, t] = np.float32(0) + total
+        out[t] = np.float32(0) + total
 
 
 @numba.njit(inline="always", **_JIT)
@@ -169,8 +169,10 @@ def search(slab, group_size, maxq_int, factors, sequential, codes, scales, zero_
     zero_point64 = np.empty(TILE, np.float64)
     start = np.empty(TILE, np.int64)  # where block t of the tile starts in `values`
     row = np.empty(TILE, np.int64)  # and its row in the outputs
-    first_lanes, second_lanes = LANES, LANES + LANE_ROWS  # three sums at a time, then the candidate's error
-    third_lanes, mad_lanes = LANES + 2 * LANE_ROWS, LANES + 3 * LANE_ROWS
+    # three sums at a time, then the candidate's error (np.int64: not four compile-time constants, which would
+    # compile _finish once for each)
+    first_lanes, second_lanes = np.int64(LANES), np.int64(LANES + LANE_ROWS)
+    third_lanes, mad_lanes = np.int64(LANES + 2 * LANE_ROWS), np.int64(LANES + 3 * LANE_ROWS)
     # Tiles of TILE consecutive blocks in the order (kb, c): the blocks of a tile sit side by side in the slab's rows.
     for first in range(0, blocks, TILE):
         count = min(TILE, blocks - first)
@@ -197,7 +199,7 @@ def search(slab, group_size, maxq_int, factors, sequential, codes, scales, zero_
                 low, high = work[RMIN, t], work[RMAX, t]  # np.min / np.max: a nan wins
                 work[RMIN, t] = value if value < low or value != value else low
                 work[RMAX, t] = value if value > high or value != value else high
-        _finish(work, first_lanes, SUM_X2, group_size, sequential)
+        _finish(work, first_lanes, work[SUM_X2], group_size, sequential)
         for t in range(TILE):
             work[SUM_X2, t] = np.sqrt(work[SUM_X2, t] / n)  # av_x, in place of sum_x2
         for i in range(group_size):
@@ -208,8 +210,8 @@ def search(slab, group_size, maxq_int, factors, sequential, codes, scales, zero_
                 work[W + i, t] = weight
                 work[second_lanes + lane, t] += weight
                 work[third_lanes + lane, t] += weight * value
-        _finish(work, second_lanes, SUM_W, group_size, sequential)
-        _finish(work, third_lanes, SUM_X, group_size, sequential)
+        _finish(work, second_lanes, work[SUM_W], group_size, sequential)
+        _finish(work, third_lanes, work[SUM_X], group_size, sequential)
         for t in range(TILE):
             rmin, rmax = work[RMIN, t], work[RMAX, t]
             iscale = maxq / (rmax - rmin) if rmin != rmax else one
@@ -222,7 +224,7 @@ def search(slab, group_size, maxq_int, factors, sequential, codes, scales, zero_
                 code = _code(value, work[ISCALE, t], work[RMIN, t], maxq)
                 diff = work[SCALE, t] * code + work[RMIN, t] - value
                 work[mad_lanes + lane, t] += work[W + i, t] * (diff * diff)
-        _finish(work, mad_lanes, BEST_MAD, group_size, sequential)
+        _finish(work, mad_lanes, work[BEST_MAD], group_size, sequential)
 
         # The candidates, in order: each starts from the best minimum found before it.
         for step in range(factors.shape[0]):
@@ -241,9 +243,9 @@ def search(slab, group_size, maxq_int, factors, sequential, codes, scales, zero_
                     work[first_lanes + lane, t] += weighted
                     work[second_lanes + lane, t] += weighted * code
                     work[third_lanes + lane, t] += weighted * value
-            _finish(work, first_lanes, SUM_L, group_size, sequential)
-            _finish(work, second_lanes, SUM_L2, group_size, sequential)
-            _finish(work, third_lanes, SUM_XL, group_size, sequential)
+            _finish(work, first_lanes, work[SUM_L], group_size, sequential)
+            _finish(work, second_lanes, work[SUM_L2], group_size, sequential)
+            _finish(work, third_lanes, work[SUM_XL], group_size, sequential)
             for t in range(TILE):
                 sum_w, sum_x = work[SUM_W, t], work[SUM_X, t]
                 sum_l, sum_l2, sum_xl = work[SUM_L, t], work[SUM_L2, t], work[SUM_XL, t]
@@ -255,7 +257,7 @@ def search(slab, group_size, maxq_int, factors, sequential, codes, scales, zero_
                 for t in range(TILE):
                     diff = work[THIS_SCALE, t] * work[Q + i, t] + work[THIS_MIN, t] - work[X + i, t]
                     work[mad_lanes + lane, t] += work[W + i, t] * (diff * diff)
-            _finish(work, mad_lanes, MAD, group_size, sequential)
+            _finish(work, mad_lanes, work[MAD], group_size, sequential)
             for t in range(TILE):
                 better = work[MAD, t] < work[BEST_MAD, t]
                 work[BEST_MAD, t] = work[MAD, t] if better else work[BEST_MAD, t]

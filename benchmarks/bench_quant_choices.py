@@ -2,7 +2,7 @@
 
     python benchmarks/bench_quant_choices.py --checkpoint full [--choices int4-rtn_last,int4-k_quant] [--work DIR]
         [--jobs N] [--no-decode]
-    python benchmarks/bench_quant_choices.py --checkpoint full --layer [--jobs-list 1,2]
+    python benchmarks/bench_quant_choices.py --checkpoint full --layer [--jobs-list 1,2] [--repeats 2]
 
 Each choice (`CHOICES`: `-p` and `--extra_options` of `python -m builder_plugin`) is built in its own process (wall
 time and peak RSS from the operating system's accounting of that process), its data files are measured, then a fresh
@@ -15,8 +15,10 @@ docs/benchmarks.md.
 `--layer`: k-quant alone on one full-width weight (layer 0's down_proj, [8192, 3072] as the MatMul reads it, through
 the project's checkpoint reader), at 4 and 8 bits: onnxruntime's own `MatMulNBitsQuantizer` with
 `KQuantWeightOnlyQuantConfig` on a one-MatMul model (the reference's routine `quant_tensor_k_quant_cpu` timed alone
-too) against the builder's quantizer at each of `--jobs-list`, whose bytes must equal the reference's. Results:
-benchmarks/results/k_quant_layer.json and the "k-quant on one full-width layer" section of docs/benchmarks.md.
+too) against the builder's quantizer with each of its k-quant kernels (numba's and the numpy one it falls back to) at
+each of `--jobs-list`, best of `--repeats`, whose bytes must equal the reference's; and the numba kernel's first call
+in a fresh process, compiling and then from its cache. Results: benchmarks/results/k_quant_layer.json and the
+"k-quant on one full-width layer" section of docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -68,6 +70,8 @@ QUESTION = "Explain how lasers work, step by step, for a curious teenager."
 
 
 LAYER_WEIGHT = "model.layers.0.mlp.down_proj.base_layer.weight"
+# The builder's k-quant kernels (builder_plugin.quant.k_quant.KERNEL) -> how the layer report names them
+KERNELS = {"numpy": "numpy kernel (k_quant.py)", "numba": "numba kernel (k_quant_numba.py)"}
 
 
 def build_choice(name: str, checkpoint: Path, output: Path, jobs: int | None = None) -> dict:
@@ -120,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-decode", action="store_true", help="build only (the decode columns stay empty)")
     parser.add_argument("--layer", action="store_true", help="k-quant on one full-width weight against onnxruntime's")
     parser.add_argument("--jobs-list", default="1,2", help="--layer: the thread counts to time")
+    parser.add_argument("--repeats", type=int, default=2, help="--layer: runs of each kernel and thread count")
     parser.add_argument("--decode", type=Path, help=argparse.SUPPRESS)  # child: one answer, JSON on stdout
     args = parser.parse_args(argv)
     if args.decode:
@@ -130,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or not args.checkpoint:
         parser.error(f"unknown choices: {', '.join(unknown)}" if unknown else "--checkpoint is required")
     if args.layer:
-        layer = layer_benchmark(args.checkpoint, [int(j) for j in args.jobs_list.split(",")], args.note)
+        layer = layer_benchmark(args.checkpoint, [int(j) for j in args.jobs_list.split(",")], args.note, args.repeats)
         layer.update(command=command_line("bench_quant_choices.py", argv), machine=machine_info())
         publish(layer, ROOT / "benchmarks" / "results" / "k_quant_layer.json", args.doc,
                 "## k-quant on one full-width layer", layer_report(layer))
@@ -198,8 +203,9 @@ def _table_order(key: str) -> tuple[int, str]:
     return (list(CHOICES).index(name) if name in CHOICES else len(CHOICES), key)
 
 
-def layer_benchmark(checkpoint: Path, jobs_list: list[int], note: str) -> dict:
-    """onnxruntime's k-quant against the builder's on one full-width weight: times and byte identity."""
+def layer_benchmark(checkpoint: Path, jobs_list: list[int], note: str, repeats: int = 2) -> dict:
+    """onnxruntime's k-quant against the builder's (each kernel, each thread count, best of `repeats`) on one
+    full-width weight: times and byte identity; and the numba kernel's compile time."""
     import numpy as np
     import onnx
     import onnx_ir as ir
@@ -209,15 +215,20 @@ def layer_benchmark(checkpoint: Path, jobs_list: list[int], note: str) -> dict:
 
     from builder_plugin.checkpoint.reader import CheckpointReader
     from builder_plugin.config import Phi4MMConfig
+    from builder_plugin.quant import k_quant
     from builder_plugin.quant.kernels import QuantScheme
     from builder_plugin.quant.weights import QuantizedWeight, QuantStats
+
+    if k_quant.KERNEL != "numba":
+        raise SystemExit("numba is not importable: the layer benchmark compares its kernel with numpy's")
 
     config = Phi4MMConfig.from_dir(checkpoint)
     weight = np.ascontiguousarray(
         CheckpointReader(checkpoint, config.source_format)[LAYER_WEIGHT].load().numpy().T)  # [K, N], as MatMul's B
     k, n = weight.shape
     results: dict = {"weight": LAYER_WEIGHT, "shape": [k, n], "commit": _commit(), "note": note,
-                     "load_average_before": os.getloadavg()[0], "bits": {}}
+                     "load_average_before": os.getloadavg()[0], "repeats": repeats, "bits": {},
+                     "numba_first_call": _numba_first_call()}
     for bits in (4, 8):
         graph = helper.make_graph(
             [helper.make_node("MatMul", ["x", "w"], ["y"], name="w/MatMul")], "g",
@@ -238,22 +249,51 @@ def layer_benchmark(checkpoint: Path, jobs_list: list[int], note: str) -> dict:
         entry = {"onnxruntime_quantizer_s": quantizer_s, "onnxruntime_quantizer_cpu_s": quantizer_cpu_s,
                  "onnxruntime_routine_s": routine_s, "onnxruntime_routine_cpu_s": routine_cpu_s, "ours": {}}
         scheme = QuantScheme(bits, 32, True, "k_quant")
-        for jobs in jobs_list:
-            quantized = QuantizedWeight(ir.tensor(weight, name="w"), scheme, QuantStats(jobs))
-            started, cpu = time.perf_counter(), _cpu_seconds()
-            pieces = {name: quantized.piece(piece) for piece, name in scheme.names("w").items()}
-            seconds, cpu_seconds = time.perf_counter() - started, _cpu_seconds() - cpu
-            identical = sorted(pieces) == sorted(reference) and all(
-                pieces[name].dtype == reference[name].dtype and pieces[name].shape == reference[name].shape
-                and pieces[name].tobytes() == reference[name].tobytes() for name in pieces)
-            entry["ours"][str(jobs)] = {"seconds": seconds, "cpu_s": cpu_seconds, "byte_identical": identical}
-            print(f"k-quant {bits} bits, {jobs} jobs: {seconds:.1f} s (onnxruntime {routine_s:.1f} s), "
-                  f"identical: {identical}", file=sys.stderr, flush=True)
-            if not identical:
-                raise SystemExit(f"{bits}-bit k-quant at {jobs} jobs differs from onnxruntime's quantizer")
+        for kernel in KERNELS:
+            entry["ours"][kernel] = {}
+            for jobs in jobs_list:
+                runs = []
+                for _ in range(repeats):
+                    quantized = QuantizedWeight(ir.tensor(weight, name="w"), scheme, QuantStats(jobs))
+                    k_quant.KERNEL, default = kernel, k_quant.KERNEL
+                    try:
+                        started, cpu = time.perf_counter(), _cpu_seconds()
+                        pieces = {name: quantized.piece(piece) for piece, name in scheme.names("w").items()}
+                        seconds, cpu_seconds = time.perf_counter() - started, _cpu_seconds() - cpu
+                    finally:
+                        k_quant.KERNEL = default
+                    identical = sorted(pieces) == sorted(reference) and all(
+                        pieces[name].dtype == reference[name].dtype and pieces[name].shape == reference[name].shape
+                        and pieces[name].tobytes() == reference[name].tobytes() for name in pieces)
+                    runs.append({"seconds": seconds, "cpu_s": cpu_seconds, "byte_identical": identical})
+                    print(f"k-quant {bits} bits, {kernel} kernel, {jobs} jobs: {seconds:.2f} s ({cpu_seconds:.2f} s "
+                          f"CPU; onnxruntime's routine {routine_s:.1f} s), identical: {identical}", file=sys.stderr,
+                          flush=True)
+                    if not identical:
+                        raise SystemExit(f"{bits}-bit k-quant, {kernel} kernel, {jobs} jobs, differs from "
+                                         "onnxruntime's quantizer")
+                best = min(runs, key=lambda run: run["seconds"])
+                entry["ours"][kernel][str(jobs)] = {**best, "runs_s": [run["seconds"] for run in runs]}
         results["bits"][str(bits)] = entry
     results["load_average_after"] = os.getloadavg()[0]
     return results
+
+
+def _numba_first_call() -> dict:
+    """The numba kernel's first call in a fresh process: compiling it (an empty numba cache), then loading it from the
+    cache that compile wrote, each the time of a 1000-block 4-bit chunk beside the process's startup and imports."""
+    import tempfile
+
+    code = ("import time; import numpy as np; from builder_plugin.quant import k_quant; "
+            "x = np.random.default_rng(0).standard_normal((1000, 32)).astype(np.float32); "
+            "started = time.perf_counter(); k_quant.k_quant_chunk(x, 4); print(time.perf_counter() - started)")
+    times = {}
+    with tempfile.TemporaryDirectory(prefix="numba-cache-") as cache:
+        for name in ("compile_s", "cached_s"):
+            child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                   env={**os.environ, "PYTHONPATH": str(ROOT), "NUMBA_CACHE_DIR": cache})
+            times[name] = float(child.stdout.strip().splitlines()[-1])
+    return times
 
 
 def _cpu_seconds() -> float:
@@ -266,12 +306,20 @@ def layer_report(results: dict) -> str:
     k, n = results["shape"]
     rows = []
     for bits, entry in results["bits"].items():
-        for jobs, ours in entry["ours"].items():
-            rows.append(f"| {bits} | {jobs} | {fmt(entry['onnxruntime_quantizer_s'], 1)} s | "
-                        f"{fmt(entry['onnxruntime_routine_s'], 1)} s ({_cpu(entry, 'onnxruntime_routine_cpu_s')}) | "
-                        f"**{fmt(ours['seconds'], 1)} s** ({_cpu(ours, 'cpu_s')}) | "
-                        f"{fmt(entry['onnxruntime_routine_s'] / ours['seconds'], 1)}x | "
-                        f"{'yes' if ours['byte_identical'] else 'NO'} |")
+        routine = entry["onnxruntime_routine_s"]
+        rows.append(f"| {bits} | onnxruntime's `MatMulNBitsQuantizer` | 1 | "
+                    f"{fmt(entry['onnxruntime_quantizer_s'], 1)} s ({_cpu(entry, 'onnxruntime_quantizer_cpu_s')}) | "
+                    "- | - | reference |")
+        rows.append(f"| {bits} | onnxruntime's `quant_tensor_k_quant_cpu` alone | 1 | {fmt(routine, 1)} s "
+                    f"({_cpu(entry, 'onnxruntime_routine_cpu_s')}) | 1.0x | - | - |")
+        for kernel, by_jobs in entry["ours"].items():
+            for jobs, ours in by_jobs.items():
+                numpy_s = entry["ours"].get("numpy", {}).get(jobs, {}).get("seconds")
+                rows.append(f"| {bits} | builder, {KERNELS[kernel]} | {jobs} | **{fmt(ours['seconds'], 2)} s** "
+                            f"({_cpu(ours, 'cpu_s')}) | {fmt(routine / ours['seconds'], 1)}x | "
+                            f"{fmt(numpy_s / ours['seconds'], 1) + 'x' if numpy_s else '-'} | "
+                            f"{'yes' if ours['byte_identical'] else 'NO'} |")
+    first = results.get("numba_first_call", {})
     return "\n".join([
         f"Command: `{results['command']}` (commit {results['commit']}; load average "
         f"{fmt(results['load_average_before'], 1)} before, {fmt(results['load_average_after'], 1)} after: "
@@ -279,14 +327,16 @@ def layer_report(results: dict) -> str:
         machine_markdown(results["machine"]), "",
         f"`{results['weight']}` of the full-size checkpoint, [{k}, {n}] as the MatMul reads it ({k * n / 1e6:.1f} M "
         "values), block 32, symmetric flag as the builder passes it (k-quant always has zero points). onnxruntime: "
-        "its `MatMulNBitsQuantizer` with `KQuantWeightOnlyQuantConfig` on a one-MatMul model, and its routine "
-        "`quant_tensor_k_quant_cpu` alone on the same weight (one thread: numpy). Ours: the builder's quantizer at "
-        "that many threads (`--jobs`); byte-identical = packed weights, scales and zero points equal the "
-        "quantizer's initializers byte for byte.", "",
-        "| bits | jobs | onnxruntime quantizer | onnxruntime routine (CPU) | ours (CPU) | wall speed-up vs routine | "
-        "byte-identical |",
-        "|---:|---:|---:|---:|---:|---:|---|",
-        *rows, ""])
+        "its `MatMulNBitsQuantizer` with `KQuantWeightOnlyQuantConfig` on a one-MatMul model (whose initializers are "
+        "the reference), and its routine `quant_tensor_k_quant_cpu` alone on the same weight (one thread: numpy). "
+        "The builder: its whole quantizer (search, packing, scales, zero points) at that many threads (`--jobs`), with "
+        f"each k-quant kernel, best of {results.get('repeats', 1)} runs; byte-identical = packed weights, scales and "
+        "zero points equal the reference's byte for byte.", "",
+        "| bits | quantizer | jobs | wall (CPU) | speed-up vs routine | vs numpy kernel | byte-identical |",
+        "|---:|---|---:|---:|---:|---:|---|",
+        *rows, "",
+        f"The numba kernel's first call in a fresh process (a 1000-block chunk): {fmt(first.get('compile_s'), 1)} s "
+        f"with an empty numba cache (compiling), {fmt(first.get('cached_s'), 2)} s once the cache holds it.", ""])
 
 
 def _cpu(entry: dict, key: str) -> str:

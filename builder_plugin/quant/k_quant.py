@@ -11,15 +11,24 @@ copies the best candidate's codes at each step, which it never reads again; that
 
 Chunks are independent, so `BlockPool` spreads them over threads: numpy releases the GIL inside each operation, and
 threads share the weight instead of copying it to other processes.
+
+`k_quant_chunk` runs the same search compiled with numba (`builder_plugin.quant.k_quant_numba`, several times faster,
+the same bits) when numba can be imported, and this numpy kernel otherwise (`KERNEL` says which).
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+
+try:
+    from builder_plugin.quant import k_quant_numba
+except ImportError:  # numba missing, or not built for this numpy
+    k_quant_numba = None
 
 # Blocks per chunk: large enough that the ~50 numpy calls of a candidate step cost little against their work, small
 # enough that a thread's work arrays stay in the caches (six of 32 x 8192 float32 are 6 MB). 4096 to 32768 measured
@@ -28,6 +37,11 @@ CHUNK_BLOCKS = 8192
 STEPS = 20
 RDELTA = 0.1
 RRMIN = -1
+KERNEL = "numpy" if k_quant_numba is None else "numba"  # what k_quant_chunk runs (a benchmark sets "numpy" to compare)
+# quantize.COST_PER_VALUE of k-quant with this kernel (measured on a full-width layer: numba 4-6x less CPU than numpy)
+K_QUANT_COST_PER_VALUE = 60.0 if KERNEL == "numpy" else 12.0
+_NOTICE = threading.Lock()
+_noticed = False
 
 
 class _Scratch(threading.local):
@@ -84,13 +98,49 @@ def _sum(values: np.ndarray, lanes: np.ndarray, sequential: bool) -> np.ndarray:
     return total
 
 
+def candidate_factors(bits: int) -> np.ndarray:
+    """Each candidate step's factor as the reference computes it: in Python floats, then cast to float32."""
+    maxq, minq = 2**bits - 1, 0
+    return np.array([RRMIN + RDELTA * step + maxq - minq for step in range(STEPS)]).astype(np.float32)
+
+
 def k_quant_chunk(chunk: np.ndarray, bits: int, sequential: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`quant_tensor_k_quant_cpu` on `chunk` [blocks, group_size]: codes (uint8, [blocks, group_size]), scale (float64)
     and zero point (uint8), each [blocks, 1]. `sequential`: the reference's sums run in order, as they do when its
     input is Fortran-ordered (a weight of one block per column, whose transpose numpy reshapes without a copy).
+    The numba kernel when numba is there, else `numpy_k_quant_chunk`."""
+    if KERNEL == "numba" and k_quant_numba.supports(chunk.shape[1]):
+        return k_quant_numba.k_quant_chunk(chunk, bits, candidate_factors(bits), sequential)
+    if k_quant_numba is None:
+        _notice_numpy_kernel()
+    return numpy_k_quant_chunk(chunk, bits, sequential)
 
-    The work arrays hold one value of every block per row ([group_size, blocks]), so that each operation runs over
-    contiguous values and a block's sums are row operations."""
+
+def _notice_numpy_kernel() -> None:
+    global _noticed
+    with _NOTICE:
+        if not _noticed:
+            print("k-quant: numba is not installed, so the search runs in numpy, several times slower "
+                  "(pip install numba)", file=sys.stderr, flush=True)
+        _noticed = True
+
+
+def k_quant_weight(weight: np.ndarray, block_size: int, bits: int, sequential: bool,
+                   pool: BlockPool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`quant_tensor_k_quant_cpu(weight.T, bits, block_size)` of a padded slab [k_blocks * block_size, cols] on the
+    pool's threads: codes [cols * k_blocks, block_size], scales and zero points [cols * k_blocks, 1], one row per
+    block of one column. The numba kernel reads the blocks in place; the numpy one gets them transposed."""
+    if KERNEL == "numba" and k_quant_numba.supports(block_size):
+        return k_quant_numba.k_quant_columns(weight, block_size, bits, candidate_factors(bits), sequential, pool,
+                                             CHUNK_BLOCKS)
+    blocks = weight.T.reshape(-1, block_size)  # one row per block of one column, as the reference reshapes
+    return pool.run(lambda chunk: k_quant_chunk(chunk, bits, sequential), blocks, np.uint8, np.float64)
+
+
+def numpy_k_quant_chunk(chunk: np.ndarray, bits: int,
+                        sequential: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`k_quant_chunk` in numpy. The work arrays hold one value of every block per row ([group_size, blocks]), so that
+    each operation runs over contiguous values and a block's sums are row operations."""
     with np.errstate(all="ignore"):  # a constant block divides by zero, as in the reference, and is then not chosen
         return _k_quant_chunk(chunk, bits, sequential)
 
@@ -188,21 +238,25 @@ class BlockPool:
         scales = np.empty((rows, 1), scale_dtype)
         zero_points = np.empty((rows, 1), np.uint8)
 
-        def one(start: int) -> None:
+        def one(chunk: int) -> None:
+            start = chunk * CHUNK_BLOCKS
             stop = min(rows, start + CHUNK_BLOCKS)
             q, scale, zp = function(data[start:stop])
             codes[start:stop] = q
             scales[start:stop] = scale
             zero_points[start:stop] = zp
 
-        starts = range(0, rows, CHUNK_BLOCKS)
-        if self._executor is None or len(starts) == 1:
-            for start in starts:
-                one(start)
-        else:
-            for future in [self._executor.submit(one, start) for start in starts]:
-                future.result()
+        self.each(one, -(-rows // CHUNK_BLOCKS))
         return codes, scales, zero_points
+
+    def each(self, function: Callable[[int], None], count: int) -> None:
+        """function(0), ..., function(count - 1) on the threads, each index once."""
+        if self._executor is None or count == 1:
+            for i in range(count):
+                function(i)
+        else:
+            for future in [self._executor.submit(function, i) for i in range(count)]:
+                future.result()
 
     def close(self) -> None:
         if self._executor is not None:

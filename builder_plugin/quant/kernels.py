@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from builder_plugin.quant.choices import METHODS, QUANT_TYPE_BITS
-from builder_plugin.quant.k_quant import BlockPool, k_quant_chunk
+from builder_plugin.quant.k_quant import BlockPool, k_quant_weight
 
 BITS_CHOICES = tuple(QUANT_TYPE_BITS.values())
 
@@ -111,12 +111,10 @@ def neural_compressor_blocks(weight: np.ndarray, lay: BlockLayout, scheme: Quant
 
     cols = weight.shape[1]
     if scheme.method == "k_quant":
-        blocks = weight.T.reshape(-1, lay.block_size)  # one row per block of one column, as the reference reshapes
         # With one block per column the reference's reshape keeps the transpose's Fortran order (of the whole weight,
         # which it quantizes at once), and numpy sums such rows in order.
         sequential = lay.k_blocks == 1 and lay.n > 1
-        q, scale, zp = pool.run(lambda chunk: k_quant_chunk(chunk, scheme.bits, sequential), blocks, np.uint8,
-                                np.float64)
+        q, scale, zp = k_quant_weight(weight, lay.block_size, scheme.bits, sequential, pool)
     else:
         q, scale, zp = quant_tensor(weight.T, scheme.bits, lay.block_size, "sym" if scheme.symmetric else "asym",
                                     "uint", 1)

@@ -18,7 +18,7 @@ import onnx_ir as ir
 
 from builder_plugin.cpus import available_cpus
 from builder_plugin.dtypes import DTYPES, GRAPH_FLOATS
-from builder_plugin.quant.k_quant import BlockPool
+from builder_plugin.quant.k_quant import K_QUANT_COST_PER_VALUE, BlockPool
 from builder_plugin.quant.kernels import BlockLayout, QuantScheme, mlas_blocks, neural_compressor_blocks
 
 # Float bytes quantized per slab when a weight can be produced column range by column range. k_quant's search keeps
@@ -27,7 +27,7 @@ SLAB_BYTES = 64 << 20
 K_QUANT_SLAB_BYTES = 32 << 20
 # Time to quantize one float value by each method on one thread (k_quant's search is spread over the jobs), in units
 # of the time to write one byte: how the build's time-left estimate weighs a weight (measured on full-width weights).
-COST_PER_VALUE = {"default": 10.0, "rtn": 14.0, "k_quant": 60.0}
+COST_PER_VALUE = {"default": 10.0, "rtn": 14.0, "k_quant": K_QUANT_COST_PER_VALUE}
 
 QUANTIZABLE = {DTYPES[name].onnx: DTYPES[name].numpy for name in GRAPH_FLOATS}
 

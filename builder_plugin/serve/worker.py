@@ -1,6 +1,7 @@
 """One thread owns the Chats and answers the requests, time-sliced: the runtime runs phi4mm with batch size 1, so the
-answers in progress take turns on it, a prefill or a few tokens each, and a request that arrives while a long answer
-streams waits for at most one token of each answer in progress before its own prefill.
+answers in progress take turns on it, a prefill or one token each, so a request that arrives while a long answer
+streams waits for about one token of each answer in progress before its own prefill, and its tokens then alternate
+with theirs (decode is memory-bound: two answers at once make about as many tokens per second in all as one).
 
 Each request is a Job; the worker reports to it through `emit` (called on the worker thread) with Started, Piece,
 Finished or Failed events, so no request ever sees another's tokens. Each answer in progress has a conversation of
@@ -76,7 +77,7 @@ class Job:
         self.cancelled.set()
 
 
-TOKENS_PER_TURN = 8  # an answer's turn ends sooner when a request is waiting for its prefill
+TOKENS_PER_TURN = 1  # tokens of an answer per turn: answers in progress alternate token by token
 
 
 @dataclass
@@ -230,7 +231,7 @@ class Worker:
                           CallScanner() if tools is not None else None)
 
     def _turn(self, answering: _Answering) -> bool:
-        """Run the answer for a few tokens (its first turn: the prefill and the first token); True when it ended."""
+        """Run the answer for its turn (the first: the prefill and the first token); True when it ended."""
         job, chat = answering.job, answering.slot.chat
         limit = 1 if answering.tokens == 0 else TOKENS_PER_TURN
         for _ in range(limit):

@@ -99,27 +99,24 @@ def measure_interleave(package: Path, args: argparse.Namespace) -> dict[str, Any
         stream(client, model, short_question(-1), args.short_tokens)  # warm-up
         idle = [stream(client, model, short_question(i), args.short_tokens)["ttft_s"] for i in range(args.runs)]
 
-        long: dict[str, Any] = {}
-        streaming = threading.Event()
-
-        def run_long() -> None:
-            messages = [{"role": "user", "content": "Tell me a very long story about the sea."}]
-            start = time.perf_counter()
-            for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=args.long_tokens,
-                                                        stream=True):
-                if chunk.choices and chunk.choices[0].delta.content:
-                    streaming.set()
-            long["total_s"] = time.perf_counter() - start
-
-        thread = threading.Thread(target=run_long)
-        thread.start()
-        streaming.wait(timeout=1200)
+        # The long answer's client is a process of its own, as another user's would be (its chunks parsed in this
+        # process would take turns with the short requests' client for the interpreter).
+        script = ("import sys, openai; c = openai.OpenAI(base_url=sys.argv[1], api_key='unused', max_retries=0, "
+                  "timeout=1200); s = c.chat.completions.create(model=sys.argv[2], max_tokens=int(sys.argv[3]), "
+                  "stream=True, messages=[{'role': 'user', 'content': 'Tell me a very long story about the sea.'}])\n"
+                  "for k in s:\n    if k.choices and k.choices[0].delta.content: print('streaming', flush=True)")
+        started = time.perf_counter()
+        long = subprocess.Popen([sys.executable, "-c", script, str(client.base_url), model, str(args.long_tokens)],
+                                stdout=subprocess.PIPE, text=True)
+        long.stdout.readline()  # the first piece
+        threading.Thread(target=long.stdout.read, daemon=True).start()
         busy = []
         for i in range(args.runs):
-            if "total_s" in long:
+            if long.poll() is not None:
                 break
             busy.append(stream(client, model, short_question(100 + i), args.short_tokens)["ttft_s"])
-        thread.join()
+        long.wait()
+        long_total = time.perf_counter() - started
 
         one = stream(client, model, [{"role": "user", "content": "Tell me about rivers."}], args.throughput_tokens)
         both: list[dict[str, Any]] = [{}, {}]
@@ -135,7 +132,7 @@ def measure_interleave(package: Path, args: argparse.Namespace) -> dict[str, Any
         for t in threads:
             t.join()
         wall = time.perf_counter() - start
-    return {"idle_ttft_s": idle, "busy_ttft_s": busy, "long_total_s": long.get("total_s"),
+    return {"idle_ttft_s": idle, "busy_ttft_s": busy, "long_total_s": long_total,
             "one_stream_tok_s": one["tokens"] / one["total_s"],
             "two_streams_tok_s": sum(b["tokens"] for b in both) / wall,
             "one_stream_tokens": one["tokens"], "two_streams_tokens": [b["tokens"] for b in both]}
@@ -208,7 +205,8 @@ def section(results: dict[str, Any]) -> str:
     commands = "\n".join(f"- {label}: `{run['command']}`" for label, run in results.items())
     return (f"Commands:\n\n{commands}\n\n"
             "Answers taking turns: TTFT of a short text request (streamed, to the first content) on an idle server, "
-            "and while one long answer streams (medians); decode throughput of one stream alone and of two at once "
+            "and while one long answer streams to a client in another process (medians); decode throughput of one "
+            "stream alone and of two at once "
             "(tokens of both / wall time).\n\n"
             + markdown_table(["package", "long answer tokens", "idle TTFT ms", "TTFT beside a stream ms", "ratio",
                               "1 stream tok/s", "2 streams tok/s", "ratio", "load average"], rows_i)

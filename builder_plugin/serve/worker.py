@@ -77,9 +77,6 @@ class Job:
         self.cancelled.set()
 
 
-TOKENS_PER_TURN = 1  # tokens of an answer per turn: answers in progress alternate token by token
-
-
 @dataclass
 class _Answering:
     """An answer in progress: its job, the conversation it runs in, and what its stream has seen so far."""
@@ -91,7 +88,6 @@ class _Answering:
     stops: StopScanner
     calls: CallScanner | None
     sent: int = 0  # log-probabilities sent so far
-    tokens: int = 0
 
 
 class Worker:
@@ -231,37 +227,32 @@ class Worker:
                           CallScanner() if tools is not None else None)
 
     def _turn(self, answering: _Answering) -> bool:
-        """Run the answer for its turn (the first: the prefill and the first token); True when it ended."""
+        """Run the answer for one token (its first turn: the prefill and the first token); True when it ended."""
         job, chat = answering.job, answering.slot.chat
-        limit = 1 if answering.tokens == 0 else TOKENS_PER_TURN
-        for _ in range(limit):
-            if job.cancelled.is_set():
-                return True
-            deadline = self._drain_deadline
-            if deadline is not None and time.monotonic() >= deadline:
-                self._finish(answering, stopped=False, reason="length")
-                return True
-            try:
-                piece = next(answering.pieces)
-            except StopIteration:
-                self._finish(answering, stopped=False)
-                return True
-            except runtime.ChatError as exc:
-                job.emit(Failed(chat_error(exc, job.labels)))
-                return True
-            answering.tokens += 1
-            text, stopped = answering.stops.feed(piece)
-            if answering.calls is not None:
-                text = answering.calls.feed(text)
-            logprobs = tuple(chat.last_logprobs[answering.sent:]) if job.logprobs is not None else ()
-            answering.sent += len(logprobs)
-            if text or logprobs:
-                job.emit(Piece(text, logprobs))
-            if stopped:
-                self._finish(answering, stopped=True)
-                return True
-            if self._waiting and not self._waiting[0].cancelled.is_set():
-                break  # a request waits: let it in after this token
+        if job.cancelled.is_set():
+            return True
+        deadline = self._drain_deadline
+        if deadline is not None and time.monotonic() >= deadline:
+            self._finish(answering, stopped=False, reason="length")
+            return True
+        try:
+            piece = next(answering.pieces)
+        except StopIteration:
+            self._finish(answering, stopped=False)
+            return True
+        except runtime.ChatError as exc:
+            job.emit(Failed(chat_error(exc, job.labels)))
+            return True
+        text, stopped = answering.stops.feed(piece)
+        if answering.calls is not None:
+            text = answering.calls.feed(text)
+        logprobs = tuple(chat.last_logprobs[answering.sent:]) if job.logprobs is not None else ()
+        answering.sent += len(logprobs)
+        if text or logprobs:
+            job.emit(Piece(text, logprobs))
+        if stopped:
+            self._finish(answering, stopped=True)
+            return True
         return False
 
     def _finish(self, answering: _Answering, stopped: bool, reason: str | None = None) -> None:

@@ -468,7 +468,7 @@ class Chat:
         if held == len(live.turns):
             return None if turn.images or turn.audios else (len(ids), False)
         dropped = live.turns[held:]
-        again = _question(dropped[0]) == _question(turn)
+        again = dropped[0].asks_as(turn)
         if any(t.images or t.audios for t in dropped[1 if again else 0:]) or (not again and (turn.images or
                                                                                                 turn.audios)):
             return None
@@ -708,10 +708,6 @@ def _with_answer_ids(ids: list[int], turns: Sequence[Turn], loaded: _Loaded) -> 
         out += ids[done:start] + list(turn.answer_ids)
         done = stop
     return out + ids[done:]
-
-
-def _question(turn: Turn) -> Turn:
-    return replace(turn, assistant=None, answer_ids=None)
 
 
 def _turn_marks(ids: list[int], loaded: _Loaded, count: int) -> list[tuple[int, int]] | None:

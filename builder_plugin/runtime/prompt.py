@@ -31,6 +31,10 @@ class Turn:
     answer_ids: tuple[int, ...] | None = field(default=None, compare=False)
     role: str = USER
 
+    def asks_as(self, other: Turn) -> bool:
+        """Both turns ask the same question (text, files and role), whatever their answers."""
+        return (self.user, self.images, self.audios, self.role) == (other.user, other.images, other.audios, other.role)
+
 
 def check_tags(text: str, num_images: int, num_audios: int) -> None:
     """Raise TagMismatchError unless the tags written in `text` fit the attached files.

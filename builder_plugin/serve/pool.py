@@ -118,9 +118,7 @@ def _shared_turns(slot: Slot, system: str | None, tools: str | None, history: Se
         shared += 1
     if shared < len(history):
         return 0  # the request's history goes on differently: it is prefilled whole anyway
-    again = shared < len(kept) and (kept[shared].user, kept[shared].images, kept[shared].audios,
-                                    kept[shared].role) == (question.user, question.images, question.audios,
-                                                           question.role)
+    again = shared < len(kept) and kept[shared].asks_as(question)
     return shared + again
 
 

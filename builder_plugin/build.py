@@ -18,10 +18,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from builder_plugin.checkpoint.files import check_tokenizer
 from builder_plugin.checkpoint.reader import CheckpointReader, TensorRef
 from builder_plugin.checkpoint.routing import route_weights
 from builder_plugin.components.base import BUILDERS, BuildOutput, ComponentBuilder, DecoderRuntimeSettings
-from builder_plugin.config import Phi4MMConfig, read_json
+from builder_plugin.config import Phi4MMConfig
 from builder_plugin.errors import BuildError, InputError
 from builder_plugin.layout import (
     DATA_FILES,
@@ -31,7 +32,6 @@ from builder_plugin.layout import (
     MANIFEST_FILE,
     RUNNABLE_MINIMUM,
     SPEECH_PROCESSOR_FILE,
-    TOKENIZER_FILE,
     TOKENIZER_FILES,
     VISION_PROCESSOR_FILE,
 )
@@ -96,20 +96,6 @@ def validate_options(options: BuildOptions, config: Phi4MMConfig) -> None:
             raise InputError("--max-length must be positive")
         if options.max_length > context:
             raise InputError(f"--max-length {options.max_length} exceeds the model's context length {context}")
-
-
-def check_tokenizer(model_dir: Path) -> None:
-    path = model_dir / TOKENIZER_FILE
-    if not path.is_file():
-        raise InputError(f"tokenizer not found: {path}")
-    try:
-        from tokenizers import Tokenizer
-
-        Tokenizer.from_file(str(path))
-    except Exception as exc:  # tokenizers raises its own exception types
-        raise InputError(f"cannot read tokenizer {path}: {str(exc).splitlines()[0] if str(exc) else exc}") from exc
-    if (model_dir / "tokenizer_config.json").is_file():
-        read_json(model_dir / "tokenizer_config.json", what="tokenizer config")
 
 
 def build_component(builder: ComponentBuilder, weights: Mapping[str, TensorRef]) -> BuildOutput:

@@ -11,7 +11,6 @@ it) and the next run resumes it with a range request. With HF_HUB_OFFLINE=1 ever
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import re
@@ -22,15 +21,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from builder_plugin.checkpoint.files import (
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_WEIGHTS_FILE,
+    INDEX_FILE,
+    SINGLE_WEIGHTS_FILE,
+    weight_map,
+)
 from builder_plugin.config import CONFIG_FILE, NATIVE_ADAPTER_DIRS, PREPROCESSOR_CONFIG_FILE, Phi4MMConfig
 from builder_plugin.errors import InputError, UnsupportedModelError
 from builder_plugin.layout import GENERATION_CONFIG_FILE, TOKENIZER_FILES
 from builder_plugin.units import human
 
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_WEIGHTS_FILE = "model.safetensors"
 METADATA_FILES = (GENERATION_CONFIG_FILE, PREPROCESSOR_CONFIG_FILE, *TOKENIZER_FILES, INDEX_FILE)
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")  # each native adapter folder's two files
+ADAPTER_FILES = (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE)  # each native adapter folder's two files
 DEFAULT_REVISION = "main"
 RETRY_DELAYS_S = (1.0, 2.0)  # a failed hub call is tried len + 1 times
 _TRUE = ("1", "ON", "YES", "TRUE")
@@ -111,14 +115,8 @@ def local_weights(folder: Path) -> list[SourceFile]:
 def weight_files(folder: Path, exists: Callable[[str], bool]) -> list[str]:
     """The weight files of the checkpoint whose metadata is in `folder`: the shards its index names (or the single
     file), and for the transformers-native layout each adapter folder's weights."""
-    index = folder / INDEX_FILE
-    if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-        except (ValueError, KeyError, AttributeError) as exc:
-            raise InputError(f"cannot read the weight index {index}: {exc}") from exc
-    else:
-        shards = [SINGLE_WEIGHTS_FILE]
+    index = weight_map(folder)
+    shards = sorted(set(index.values())) if index is not None else [SINGLE_WEIGHTS_FILE]
     if _layout(folder) == "native":  # the original layout has its LoRA inline; the native one in folders
         shards += [f"{d}/{ADAPTER_FILES[1]}" for d in NATIVE_ADAPTER_DIRS.values() if exists(f"{d}/{ADAPTER_FILES[0]}")]
     return shards

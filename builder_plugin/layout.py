@@ -50,7 +50,8 @@ SPEECH_PROCESSOR_FILE = "speech_processor.json"
 MANIFEST_FILE = "manifest.json"  # also in a graphs-only package: where it came from
 # The tokenizer files the runtime reads, copied from the checkpoint as they are.
 TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_FILES: tuple[str, ...] = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json",
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+TOKENIZER_FILES: tuple[str, ...] = (TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, "special_tokens_map.json",
                                     "added_tokens.json")
 # Copied besides them: the checkpoint's sampling defaults, for an app to read (genai_config.json states them too).
 GENERATION_CONFIG_FILE = "generation_config.json"

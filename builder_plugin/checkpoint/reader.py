@@ -16,13 +16,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from builder_plugin.checkpoint.files import ADAPTER_WEIGHTS_FILE, INDEX_FILE, SINGLE_WEIGHTS_FILE, weight_map
 from builder_plugin.config import NATIVE_ADAPTER_DIRS, CheckpointFormat
 from builder_plugin.dtypes import BY_SAFETENSORS
 from builder_plugin.errors import CheckpointError
-
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-ADAPTER_FILE = "adapter_model.safetensors"
 
 # safetensors dtype code -> torch dtype
 _TORCH_DTYPES = {code: row.torch for code, row in BY_SAFETENSORS.items()}
@@ -157,7 +154,7 @@ class CheckpointReader(Mapping[str, TensorRef]):
             self._tensors[name] = ref
         if source_format == "native":
             for folder in NATIVE_ADAPTER_DIRS.values():
-                adapter = self.model_dir / folder / ADAPTER_FILE
+                adapter = self.model_dir / folder / ADAPTER_WEIGHTS_FILE
                 if adapter.is_file():
                     for name, ref in _index_file(adapter).items():
                         self._tensors[f"{folder}/{name}"] = ref
@@ -177,31 +174,27 @@ class CheckpointReader(Mapping[str, TensorRef]):
 
 
 def _index_folder(model_dir: Path) -> dict[str, TensorRef]:
-    index_path = model_dir / INDEX_FILE
-    if index_path.is_file():
-        try:
-            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise CheckpointError(f"cannot read {index_path}: {exc}") from exc
-        shards = sorted(set(weight_map.values()))
+    index = weight_map(model_dir)
+    if index is not None:
+        shards = sorted(set(index.values()))
         missing = [s for s in shards if not (model_dir / s).is_file()]
         if missing:
             raise CheckpointError(f"missing weight shard(s) listed in {INDEX_FILE}: {', '.join(missing)}")
         found: dict[str, TensorRef] = {}
         for shard in shards:
             found.update(_index_file(model_dir / shard))
-        absent = [name for name, shard in weight_map.items() if name not in found]
+        absent = [name for name in index if name not in found]
         if absent:
             raise CheckpointError(
                 f"{len(absent)} tensor(s) listed in {INDEX_FILE} are not in their shard, e.g. {absent[0]} "
-                f"(expected in {weight_map[absent[0]]})"
+                f"(expected in {index[absent[0]]})"
             )
         return found
-    single = model_dir / SINGLE_FILE
+    single = model_dir / SINGLE_WEIGHTS_FILE
     if single.is_file():
         return _index_file(single)
     if not any(model_dir.glob("*.safetensors")):
-        raise CheckpointError(f"no safetensors weights in {model_dir} (expected {INDEX_FILE} or {SINGLE_FILE})")
+        raise CheckpointError(f"no safetensors weights in {model_dir} (expected {INDEX_FILE} or {SINGLE_WEIGHTS_FILE})")
     found = {}
     for path in sorted(model_dir.glob("*.safetensors")):
         found.update(_index_file(path))

@@ -6,7 +6,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from builder_plugin.checkpoint.reader import INDEX_FILE, SINGLE_FILE, CheckpointReader
+from builder_plugin.checkpoint.files import INDEX_FILE, SINGLE_WEIGHTS_FILE
+from builder_plugin.checkpoint.reader import CheckpointReader
 from builder_plugin.errors import CheckpointError
 
 
@@ -102,6 +103,6 @@ def test_a_file_rewritten_at_the_same_path_is_read_anew(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
     for shape in ((80,), (3, 64)):
-        save_file({"w": torch.randn(shape)}, str(tmp_path / SINGLE_FILE))
+        save_file({"w": torch.randn(shape)}, str(tmp_path / SINGLE_WEIGHTS_FILE))
         ref = CheckpointReader(tmp_path)["w"]
-        assert ref.shape == shape and torch.equal(ref.load(), load_file(str(tmp_path / SINGLE_FILE))["w"])
+        assert ref.shape == shape and torch.equal(ref.load(), load_file(str(tmp_path / SINGLE_WEIGHTS_FILE))["w"])

@@ -183,7 +183,7 @@ def _run(args: argparse.Namespace) -> int:
     from builder_plugin.hub import open_source
 
     extra_options = parse_extra_options(args.extra_options)
-    check_extra_options(extra_options, args.precision)  # before any download or graph
+    parsed_extra_options = check_extra_options(extra_options, args.precision)  # before any download or graph
     if args.no_progress:
         from huggingface_hub.utils import disable_progress_bars
 
@@ -212,6 +212,7 @@ def _run(args: argparse.Namespace) -> int:
         max_length=args.max_length,
         overwrite=args.overwrite,
         extra_options=extra_options,
+        parsed_extra_options=parsed_extra_options,
         source=source.provenance,
         jobs=args.jobs,
     )

@@ -41,6 +41,9 @@ class BuildOptions:
     max_length: int | None = None
     overwrite: bool = False
     extra_options: dict[str, str] = field(default_factory=dict)
+    # extra_options already parsed by check_extra_options (the command line does it before any download): not parsed
+    # again. None: parsed on first use.
+    parsed_extra_options: dict[str, Any] | None = field(default=None, repr=False, compare=False)
     source: dict[str, Any] | None = None  # where the checkpoint came from (hub.ModelSource.provenance)
 
     @property
@@ -75,6 +78,8 @@ class BuildOptions:
     def extra(self) -> dict[str, Any]:
         """--extra_options parsed (once), with their defaults (quant.extra_options.EXTRA_OPTIONS); InputError for a
         bad key or value."""
+        if self.parsed_extra_options is not None:
+            return self.parsed_extra_options
         return check_extra_options(self.extra_options, self.precision)
 
     @property

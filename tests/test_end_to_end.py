@@ -18,7 +18,7 @@ import numpy as np
 import onnxruntime_genai as og
 import pytest
 
-from builder_plugin.layout import MAIN_DECODER
+from builder_plugin.layout import INPUT_IDS, MAIN_DECODER
 from builder_plugin.reference.model import GreedyResult, Reference
 from builder_plugin.runtime import Chat, Generation, Turn, build_prompt
 
@@ -76,7 +76,7 @@ def first_step_logits(chat: Chat, generation: Generation) -> np.ndarray:
     for name, array in generation.inputs.items():
         inputs[name] = og.Tensor(np.ascontiguousarray(array))
     params = og.GeneratorParams(model)
-    params.set_search_options(max_length=generation.inputs["input_ids"].shape[-1] + 1)
+    params.set_search_options(max_length=generation.inputs[INPUT_IDS].shape[-1] + 1)
     generator = og.Generator(model, params)
     try:
         generator.set_inputs(inputs)  # runs the encoders, the embedding and the decoder prefill
@@ -114,7 +114,7 @@ def test_generator_matches_reference(request, media_dir, layout, case):
 
     # The processor saw every file, and the one decoder answered (its LoRA follows the mode: checked below).
     inputs = generation.inputs
-    assert inputs["input_ids"].shape[0] == 1
+    assert inputs[INPUT_IDS].shape[0] == 1
     assert (inputs["pixel_values"].shape[0] if "pixel_values" in inputs else 0) == len(images)
     assert (inputs["audio_embeds"].shape[0] if "audio_embeds" in inputs else 0) == len(audios)
     mode = Reference.mode_for(bool(images), bool(audios))

@@ -22,7 +22,16 @@ import torch
 from builder_plugin.build import build_component, validate_options
 from builder_plugin.components.decoder import DecoderBuilder, DecoderPlan
 from builder_plugin.errors import InputError
-from builder_plugin.layout import AUDIO_TOKEN_ID, DATA_FILES, IMAGE_TOKEN_ID, INPUT_MODES, MAIN_DECODER, SPLIT_DECODERS
+from builder_plugin.layout import (
+    AUDIO_TOKEN_ID,
+    DATA_FILES,
+    IMAGE_TOKEN_ID,
+    INPUT_IDS,
+    INPUT_MODES,
+    INPUTS_EMBEDS,
+    MAIN_DECODER,
+    SPLIT_DECODERS,
+)
 from builder_plugin.options import BuildOptions
 from builder_plugin.package import PackageWriter
 from builder_plugin.quant.plan import LM_HEAD_WEIGHT
@@ -122,7 +131,7 @@ class SharedBufferDecoder:
         text = config.text
         self.layers = sum(name.startswith("past_key_values.") and name.endswith(".key") for name in inputs)
         self.kv_heads, self.head = text.num_key_value_heads, text.head_dim
-        self.takes_ids = "input_ids" in inputs
+        self.takes_ids = INPUT_IDS in inputs
 
     def run(self, prefix: np.ndarray, steps: list[np.ndarray], placeholders: tuple[int, ...] = ()
             ) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -147,9 +156,9 @@ class SharedBufferDecoder:
 
     def _run(self, embeds: np.ndarray, ids: np.ndarray, total: int,
              past: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        feeds = {"inputs_embeds": embeds.astype(np.float32), "attention_mask": np.ones((1, total), np.int64), **past}
+        feeds = {INPUTS_EMBEDS: embeds.astype(np.float32), "attention_mask": np.ones((1, total), np.int64), **past}
         if self.takes_ids:
-            feeds["input_ids"] = ids
+            feeds[INPUT_IDS] = ids
         result = dict(zip(self.outputs, self.session.run(None, feeds)))
         assert result["present.0.key"].shape[2] == MAX_LENGTH  # GQA kept the shared buffer
         return result

@@ -17,7 +17,7 @@ from builder_plugin.components.embedding import (
     TRANSPOSED_TOKEN_TABLE,
     EmbeddingBuilder,
 )
-from builder_plugin.layout import DATA_FILES, MAIN_DECODER
+from builder_plugin.layout import AUDIO_FEATURES, DATA_FILES, IMAGE_FEATURES, INPUT_IDS, MAIN_DECODER
 from builder_plugin.options import BuildOptions
 from builder_plugin.package import PackageWriter
 from builder_plugin.quant.plan import LM_HEAD_NODE, LM_HEAD_WEIGHT
@@ -78,7 +78,7 @@ CASES = {
 def test_matches_reference_exactly(session, tiny_config, reference, case):
     rng = np.random.default_rng(sum(map(ord, case)))
     ids, image, audio = _case(tiny_config, rng, *CASES[case])
-    (got,) = session.run(None, {"input_ids": ids, "image_features": image, "audio_features": audio})
+    (got,) = session.run(None, {INPUT_IDS: ids, IMAGE_FEATURES: image, AUDIO_FEATURES: audio})
     expected = reference.embeddings(
         torch.from_numpy(ids),
         torch.from_numpy(image) if len(image) else None,
@@ -91,7 +91,7 @@ def test_matches_reference_exactly(session, tiny_config, reference, case):
 def test_feature_rows_go_in_order(session, tiny_config):
     """Row k of the features lands on the k-th placeholder (row-major over batch, then sequence)."""
     ids, image, audio = _case(tiny_config, np.random.default_rng(3), 2, 30, 11, 9)
-    (got,) = session.run(None, {"input_ids": ids, "image_features": image, "audio_features": audio})
+    (got,) = session.run(None, {INPUT_IDS: ids, IMAGE_FEATURES: image, AUDIO_FEATURES: audio})
     np.testing.assert_array_equal(got[ids == tiny_config.image_token_id], image)
     np.testing.assert_array_equal(got[ids == tiny_config.audio_token_id], audio)
 
@@ -99,7 +99,7 @@ def test_feature_rows_go_in_order(session, tiny_config):
 def test_count_mismatch_is_an_error(session, tiny_config):
     ids, image, audio = _case(tiny_config, np.random.default_rng(4), 1, 20, 5, 0)
     with pytest.raises(ort.capi.onnxruntime_pybind11_state.InvalidArgument, match="ScatterND"):
-        session.run(None, {"input_ids": ids, "image_features": image[:4], "audio_features": audio})
+        session.run(None, {INPUT_IDS: ids, IMAGE_FEATURES: image[:4], AUDIO_FEATURES: audio})
 
 
 def test_io_spec(tiny_config):
@@ -148,8 +148,8 @@ def test_fp16_graph_is_valid_and_exact(tiny_checkpoint, tiny_config, tiny_weight
 
     ids, image, audio = _case(tiny_config, np.random.default_rng(5), 1, 40, 9, 6)
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    (got,) = session.run(None, {"input_ids": ids, "image_features": image.astype(np.float16),
-                                "audio_features": audio.astype(np.float16)})
+    (got,) = session.run(None, {INPUT_IDS: ids, IMAGE_FEATURES: image.astype(np.float16),
+                                AUDIO_FEATURES: audio.astype(np.float16)})
     expected = reference.embeddings(torch.from_numpy(ids), torch.from_numpy(image), torch.from_numpy(audio))
     assert got.dtype == np.float16
     assert np.abs(got.astype(np.float32) - expected.numpy().astype(np.float16).astype(np.float32)).max() == 0
@@ -202,7 +202,7 @@ def test_int4_lookup_reads_the_decoders_quantized_lm_head(tmp_path, tiny_checkpo
 
     ids, image, audio = _case(tiny_config, np.random.default_rng(7), 1, 64, 9, 5)
     session = ort.InferenceSession(str(folder / EMBEDDING_FILENAME), providers=["CPUExecutionProvider"])
-    (got,) = session.run(None, {"input_ids": ids, "image_features": image, "audio_features": audio})
+    (got,) = session.run(None, {INPUT_IDS: ids, IMAGE_FEATURES: image, AUDIO_FEATURES: audio})
     expected = reference.embeddings(torch.from_numpy(ids), torch.from_numpy(image), torch.from_numpy(audio)).numpy()
     np.testing.assert_array_equal(got[ids == tiny_config.image_token_id], image)
     np.testing.assert_array_equal(got[ids == tiny_config.audio_token_id], audio)
@@ -284,5 +284,5 @@ def test_every_quantization_choice_reads_the_decoders_lm_head_stored_once(precis
     ids[np.isin(ids, (tiny_config.image_token_id, tiny_config.audio_token_id))] = 0
     session = ort.InferenceSession(str(folder / EMBEDDING_FILENAME), providers=["CPUExecutionProvider"])
     empty = np.zeros((0, hidden), np.float32)
-    (got,) = session.run(None, {"input_ids": ids, "image_features": empty, "audio_features": empty})
+    (got,) = session.run(None, {INPUT_IDS: ids, IMAGE_FEATURES: empty, AUDIO_FEATURES: empty})
     np.testing.assert_allclose(got[0], rows[ids[0]], rtol=1e-6, atol=1e-7)

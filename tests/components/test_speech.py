@@ -24,6 +24,7 @@ from builder_plugin.checkpoint.routing import route_weights
 from builder_plugin.components.speech import SPEECH_FILENAME, SpeechBuilder, check_supported
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.errors import UnsupportedModelError
+from builder_plugin.layout import AUDIO_FEATURES
 from builder_plugin.options import BuildOptions
 from builder_plugin.spec import Component, check_io
 from builder_plugin.testing.media import make_wav
@@ -109,7 +110,7 @@ def _expected_frames(path: Path) -> int:
 def _run(session: ort.InferenceSession, inputs: dict[str, np.ndarray], mode: int) -> np.ndarray:
     feed = {name: inputs[name] for name in ("audio_embeds", "audio_attention_mask", "audio_sizes")}
     feed["audio_projection_mode"] = np.array([mode], dtype=np.int64)
-    return session.run(["audio_features"], feed)[0]
+    return session.run([AUDIO_FEATURES], feed)[0]
 
 
 @pytest.mark.parametrize("mode", sorted(PROJECTIONS))
@@ -154,7 +155,7 @@ def test_fp16_build_is_valid_and_close(tiny_config, tiny_weights, tmp_path, proc
     feed = {name: inputs[name] for name in ("audio_attention_mask", "audio_sizes")}
     feed["audio_embeds"] = inputs["audio_embeds"].astype(np.float16)
     feed["audio_projection_mode"] = np.array([2], dtype=np.int64)
-    got = session.run(["audio_features"], feed)[0]
+    got = session.run([AUDIO_FEATURES], feed)[0]
     want = reference.audio_features(inputs["audio_embeds"], inputs["audio_attention_mask"], inputs["audio_sizes"],
                                     projection="speech").numpy()
     assert got.dtype == np.float16 and got.shape == want.shape

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from builder_plugin.layout import GENAI_CONFIG_FILE, MAIN_DECODER, SPLIT_DECODERS
+from builder_plugin.layout import GENAI_CONFIG_FILE, INPUT_IDS, MAIN_DECODER, SPLIT_DECODERS
 from builder_plugin.runtime import (
     MANIFEST_FILE,
     TOOL,
@@ -132,7 +132,7 @@ def test_generation_matches_reference(layout, chat, split_chat, reference, media
     generation = chat.generate(prompt, images, audios, max_new_tokens=5)
 
     assert generation.variant == (SPLIT_DECODERS[mode] if layout == "split" else MAIN_DECODER)
-    assert generation.inputs["input_ids"].shape[0] == 1
+    assert generation.inputs[INPUT_IDS].shape[0] == 1
     assert ("pixel_values" in generation.inputs) == bool(images)
     assert ("audio_embeds" in generation.inputs) == bool(audios)
     expected = reference.prefill_and_greedy(generation.inputs, max_new_tokens=len(generation.tokens))
@@ -145,7 +145,7 @@ def test_generation_matches_reference(layout, chat, split_chat, reference, media
               for lora in ("none", "vision", "speech") if lora != expected.lora]
     assert any(tokens != generation.tokens for tokens in others)
     assert generation.stats.new_tokens == len(generation.tokens) == 5
-    assert generation.stats.prompt_tokens == generation.inputs["input_ids"].shape[1]
+    assert generation.stats.prompt_tokens == generation.inputs[INPUT_IDS].shape[1]
 
 
 def test_multi_turn_conversation(conversation, media_dir):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from builder_plugin.layout import IMAGE_TOKEN_ID
+from builder_plugin.layout import IMAGE_TOKEN_ID, INPUT_IDS
 from builder_plugin.reference.model import GreedyResult, Reference
 from builder_plugin.runtime import Chat, Sampling, Turn, build_prompt
 
@@ -52,7 +52,7 @@ def test_follow_up_equals_the_reference_over_the_same_ids(layout, mode, request,
     chat.keep_logits = True
     list(chat.ask(question, images, audios, max_new_tokens=4))
     kept = chat.token_ids
-    assert kept[:first_inputs["input_ids"].shape[1]] == first_inputs["input_ids"][0].tolist()
+    assert kept[:first_inputs[INPUT_IDS].shape[1]] == first_inputs[INPUT_IDS][0].tolist()
 
     for follow_up in ("And what else?", "Say it again, shorter."):
         list(chat.ask(follow_up, max_new_tokens=6))
@@ -62,7 +62,7 @@ def test_follow_up_equals_the_reference_over_the_same_ids(layout, mode, request,
         assert ids[:len(kept)] == kept  # answers are never re-tokenised
         prefix, new = ids[:stats.prompt_tokens], ids[stats.prompt_tokens:]
         assert len(new) == stats.new_tokens == 6
-        inputs = {**first_inputs, "input_ids": np.array([prefix], np.int64)}
+        inputs = {**first_inputs, INPUT_IDS: np.array([prefix], np.int64)}
         expected = reference.prefill_and_greedy(inputs, max_new_tokens=len(new))
         assert expected.lora == Reference.lora_for_mode(Reference.mode_for(bool(images), bool(audios)))
         _assert_matches(chat, new, expected, f"{layout} {mode}: {follow_up}")
@@ -70,7 +70,7 @@ def test_follow_up_equals_the_reference_over_the_same_ids(layout, mode, request,
 
 
 def _text_ids_length(package, question: str) -> int:
-    return Chat(package).generate(build_prompt([question]), max_new_tokens=1).inputs["input_ids"].shape[1]
+    return Chat(package).generate(build_prompt([question]), max_new_tokens=1).inputs[INPUT_IDS].shape[1]
 
 
 @pytest.mark.parametrize("mode", ["text", "audio"])
@@ -79,7 +79,7 @@ def test_generation_crossing_the_longrope_switch_recomputes_like_the_original(mo
     switch = tiny_config.text.original_max_position_embeddings
     question = "Count."
     first_inputs, images, audios = _first_turn_inputs(tiny_package, media_dir, question, mode)
-    prompt_tokens = first_inputs["input_ids"].shape[1]
+    prompt_tokens = first_inputs[INPUT_IDS].shape[1]
     assert prompt_tokens < switch
     new_tokens = switch - prompt_tokens + 12  # crosses the switch during generation
     chat = Chat(tiny_package)
@@ -113,7 +113,7 @@ def test_follow_up_crossing_the_switch_restarts_over_the_same_ids(tiny_package, 
     assert stats.prompt_tokens > switch and stats.reused_tokens == 0 and not stats.recomputed
     ids = chat.token_ids
     assert ids[:len(kept)] == kept
-    expected = reference.prefill_and_greedy({"input_ids": np.array([ids[:stats.prompt_tokens]], np.int64)},
+    expected = reference.prefill_and_greedy({INPUT_IDS: np.array([ids[:stats.prompt_tokens]], np.int64)},
                                             max_new_tokens=5)
     _assert_matches(chat, ids[stats.prompt_tokens:], expected, "follow-up past the switch")
 
@@ -152,7 +152,7 @@ def test_a_conversation_prompted_again_has_the_same_ids(tiny_package, media_dir,
     want = live.token_ids
     assert live.last_stats.reused_tokens > 0
     prompt = live.last_stats.prompt_tokens
-    expected = reference.prefill_and_greedy({**first_inputs, "input_ids": np.array([want[:prompt]], np.int64)},
+    expected = reference.prefill_and_greedy({**first_inputs, INPUT_IDS: np.array([want[:prompt]], np.int64)},
                                             max_new_tokens=3)
     agreed = _agreed(want[prompt:], expected)
     assert want[prompt:prompt + agreed] == expected.tokens[:agreed]
@@ -196,17 +196,17 @@ def test_a_rewound_generator_equals_the_reference(mode, tiny_package, media_dir,
     assert len(after_first) - 1 <= stats.reused_tokens <= len(after_first) and stats.prefill_tokens < 20
     ids = chat.token_ids
     assert ids[:len(after_first)] == after_first
-    expected = reference.prefill_and_greedy({**first_inputs, "input_ids": np.array([ids[:stats.prompt_tokens]],
+    expected = reference.prefill_and_greedy({**first_inputs, INPUT_IDS: np.array([ids[:stats.prompt_tokens]],
                                                                                      np.int64)}, max_new_tokens=5)
     _assert_matches(chat, ids[stats.prompt_tokens:], expected, f"{mode}: edited question")
 
     chat.restore([])  # the client asks for the first answer again, with its media
     list(chat.ask("Describe what you get.", images, audios, max_new_tokens=4))
     stats = chat.last_stats
-    prompt = first_inputs["input_ids"].shape[1]
+    prompt = first_inputs[INPUT_IDS].shape[1]
     assert stats.prompt_tokens == prompt and stats.reused_tokens == prompt - 1 and stats.prefill_tokens == 1
     ids = chat.token_ids
-    assert ids[:prompt] == first_inputs["input_ids"][0].tolist()
+    assert ids[:prompt] == first_inputs[INPUT_IDS][0].tolist()
     expected = reference.prefill_and_greedy(first_inputs, max_new_tokens=4)
     _assert_matches(chat, ids[prompt:], expected, f"{mode}: answer asked again")
 
@@ -253,7 +253,7 @@ def test_a_follow_up_at_the_switch_appends_and_one_past_it_restarts(past, tiny_p
     else:
         assert stats.reused_tokens == switch - question_ids - 1 and stats.recomputed
     ids = chat.token_ids
-    expected = reference.prefill_and_greedy({"input_ids": np.array([ids[:stats.prompt_tokens]], np.int64)},
+    expected = reference.prefill_and_greedy({INPUT_IDS: np.array([ids[:stats.prompt_tokens]], np.int64)},
                                             max_new_tokens=4, recompute_at_switch=True)
     _assert_matches(chat, ids[stats.prompt_tokens:], expected, f"follow-up ending {past} past the switch")
 
@@ -287,7 +287,7 @@ def test_a_generated_placeholder_ends_the_answer_and_is_not_fed_back(tiny_packag
     stats = chat.last_stats
     ids = chat.token_ids
     prompt = stats.prompt_tokens
-    expected = reference.prefill_and_greedy({"input_ids": np.array([ids[:prompt]], np.int64)},
+    expected = reference.prefill_and_greedy({INPUT_IDS: np.array([ids[:prompt]], np.int64)},
                                             max_new_tokens=stats.new_tokens)
     assert expected.tokens[-1] == IMAGE_TOKEN_ID and IMAGE_TOKEN_ID not in expected.tokens[:-1]
     assert stats.finish_reason == "stop" and ids[prompt:] == expected.tokens[:-1]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from builder_plugin.layout import MAIN_DECODER
+from builder_plugin.layout import INPUT_IDS, MAIN_DECODER
 from builder_plugin.runtime import Turn, build_prompt, generate
 
 CHAT = Path(__file__).resolve().parents[2] / "samples" / "chat.py"
@@ -44,7 +44,7 @@ def test_prompt_mode_with_image_and_audio(package, media_dir, reference):
     # The printed answer is the reference model's greedy answer (vision LoRA, vision audio projection).
     prompt = build_prompt([Turn("What do you see and hear?", (image,), (audio,))])
     expected = generate(package, prompt, [image], [audio], max_new_tokens=6)
-    assert int(stats[2]) == expected.inputs["input_ids"].shape[1]
+    assert int(stats[2]) == expected.inputs[INPUT_IDS].shape[1]
     greedy = reference.prefill_and_greedy(expected.inputs, max_new_tokens=6)
     compared = next((i + 1 for i, gap in enumerate(greedy.top2_gap) if gap < 1e-3), len(greedy.tokens))
     assert expected.tokens[:compared] == greedy.tokens[:compared]

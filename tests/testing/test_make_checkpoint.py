@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from builder_plugin.layout import GENAI_CONFIG_FILE
+from builder_plugin.layout import GENAI_CONFIG_FILE, INPUT_IDS
 from builder_plugin.testing import make_checkpoint as mc
 from tests.conftest import TINY_SEED as SEED  # the seed of the session checkpoints used below
 
@@ -380,7 +380,7 @@ def test_tokenizer_loads_in_onnxruntime_genai(original_dir, tmp_path):
             "decoder": {
                 "filename": "absent.onnx", "head_size": 64, "hidden_size": 256, "num_attention_heads": 4,
                 "num_hidden_layers": 2, "num_key_value_heads": 2,
-                "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
+                "inputs": {INPUT_IDS: "input_ids", "attention_mask": "attention_mask",
                            "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"},
                 "outputs": {"logits": "logits", "present_key_names": "present.%d.key",
                             "present_value_names": "present.%d.value"},

@@ -26,7 +26,8 @@
 - Guidance (runtime/guidance.py) constrains one answer; tools (``Chat.tools``, the JSON list the chat template puts in
   the system message) are rendered by the package's own chat template, read by the runtime from its tokenizer files.
 - Threads: every session of a loaded model (decoder, embedding, vision, speech) computes with ``threads`` intra-op
-  threads, by default every CPU the process may use, set by an og.Config overlay at load (runtime/threads.py).
+  threads, by default one per physical core the process may use, set by an og.Config overlay at load
+  (runtime/threads.py).
 """
 
 from __future__ import annotations
@@ -194,7 +195,7 @@ class Chat:
                  follow_up_room: int = FOLLOW_UP_ROOM, threads: int | None = None) -> None:
         self.package_dir = Path(package_dir).expanduser()
         self.execution_provider = execution_provider
-        self.threads = threads  # intra-op threads of every session; None: every CPU the process may use
+        self.threads = threads  # intra-op threads of every session; None: one per physical core the process may use
         self.system = system
         self.follow_up_room = follow_up_room
         self.turns: list[Turn] = []

@@ -5,8 +5,9 @@
   a machine with two hardware threads per core. On a machine without SMT (most cloud VMs, many laptops' efficiency
   cores) it leaves half the cores idle; it also ignores the process's CPU affinity (taskset, cgroup cpusets). Each
   session has its own pool (no global pools), so the count must be set for each: decoder, embedding, vision, speech.
-- Decoding is memory-bound and one core cannot saturate the memory bus, so the default here is every CPU this process
-  may run on (``os.sched_getaffinity``), overridable.
+- Decoding is memory-bound and one core cannot saturate the memory bus, so the default here is one thread per
+  physical core this process may run on (``os.sched_getaffinity``; the hardware threads of one core count once, as
+  they share its load and vector units, and a second thread per core only takes turns on them), overridable.
 - Idle pool threads sleep at once instead of spinning first (``session.intra_op.allow_spinning`` "0", unless the
   package sets it): with other work on the machine a spinning thread takes the core a computing one needs, and with
   two threads per session that made decoding slower than one thread; with spinning off two threads were faster than
@@ -23,7 +24,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from builder_plugin.cpus import available_cpus
+from builder_plugin.cpus import available_cores
 from builder_plugin.layout import Component
 
 THREADS_KEY = "intra_op_num_threads"
@@ -39,12 +40,17 @@ def genai_default_threads() -> int:
     return max(1, min(16, (os.cpu_count() or 2) // 2))
 
 
+def default_threads() -> int:
+    """The intra-op thread count of every session when nobody chooses one: the physical cores this process may use."""
+    return available_cores()
+
+
 def thread_overlay(genai_config: Mapping[str, Any], threads: int | None = None) -> dict[str, Any]:
-    """The ``model`` part of an og.Config overlay giving every session `threads` intra-op threads (None: every CPU
-    this process may use, except where the package itself sets a count) and no spinning."""
+    """The ``model`` part of an og.Config overlay giving every session `threads` intra-op threads (None:
+    `default_threads()`, except where the package itself sets a count) and no spinning."""
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads must be a positive integer, not {threads!r}")
-    count = available_cpus() if threads is None else threads
+    count = default_threads() if threads is None else threads
     model = genai_config.get("model", {})
     overlay: dict[str, Any] = {}
     for section in SESSION_SECTIONS:

@@ -59,7 +59,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("-e", "--execution-provider", choices=EXECUTION_PROVIDERS, default=None,
                    help="run on this provider (default: the one the package was built for)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
-                   help="intra-op threads of every session (default: every CPU this process may use)")
+                   help="intra-op threads of every session (default: one per physical core this process may use)")
     p.add_argument("-v", "--verbose", action="store_true", help="debug logs and tracebacks")
     return p
 

@@ -110,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget", type=float, default=30.0,
                         help="no further prefill run of a prompt once its prefills took this many seconds")
     parser.add_argument("--threads", type=int, default=None,
-                        help="intra-op threads of every session and of PyTorch (default: every CPU the process may "
-                        "use, what Chat and the server give the packages)")
+                        help="intra-op threads of every session and of PyTorch (default: one per physical core the "
+                        "process may use, what Chat and the server give the packages)")
     parser.add_argument("--full-depth-package", type=Path,
                         help="a CPU package built from a checkpoint with the real decoder depth (make_checkpoint "
                         "--preset full, then -p int4): the text prompt also runs on it, a direct check of the "
@@ -127,9 +127,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="Markdown file whose 'Machine' and 'Run time' sections are rewritten ('' to skip)")
     args = parser.parse_args(argv)
     if args.threads is None:
-        from builder_plugin.cpus import available_cpus
+        from builder_plugin.runtime.threads import default_threads
 
-        args.threads = available_cpus()
+        args.threads = default_threads()
     if args.from_json:
         return publish(json.loads(args.from_json.read_text()), args.out, args.doc)
     command = " ".join(["python benchmarks/bench_runtime.py", *(sys.argv[1:] if argv is None else argv)])

@@ -211,18 +211,24 @@ def measure_guidance(package: Path, args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _threads(run: dict[str, Any]) -> str:
+    """The intra-op threads per session a run had; runs recorded before the count was stored had onnxruntime-genai's
+    own, min(16, CPUs / 2): 1 on the 2-CPU machines of this document."""
+    return str(run["threads"]) if "threads" in run else "1 (genai's own)"
+
+
 def guidance_section(results: dict[str, Any]) -> str:
     rows = []
     for label, run in results.get("guidance", {}).items():
         for kind, measured in run["kinds"].items():
-            rows.append([label, kind, run["max_tokens"], min(measured["new_tokens"]),
+            rows.append([label, _threads(run), kind, run["max_tokens"], min(measured["new_tokens"]),
                          fmt(measured["median_tokens_per_s"]),
                          fmt(measured["ms_per_token_over_free"], 1) if kind != "free" else "",
                          run["machine"]["load_average"][0]])
     if not rows:
         return ""
     commands = "\n".join(f"- {label}: `{run['command']}`" for label, run in results["guidance"].items())
-    table = markdown_table(["package", "answer", "max tokens", "min new tokens", "decode tok/s median",
+    table = markdown_table(["package", "threads", "answer", "max tokens", "min new tokens", "decode tok/s median",
                             "ms/token over free", "load average"], rows)
     return ("\n\n### Cost of guidance per token\n\nCommands:\n\n" + commands + "\n\n"
             "Decode tokens/s after the first token of `Chat.ask` (og.Generator, as the server's worker runs it), the "
@@ -241,14 +247,14 @@ def section(results: dict[str, Any]) -> str:
     rows = []
     for label, run in results["runs"].items():
         chat, served = run["chat"], run["server"]
-        rows.append([label, run["concurrency"], run["max_tokens"],
+        rows.append([label, _threads(run), run["concurrency"], run["max_tokens"],
                      fmt(chat["requests_per_s"]), fmt(served["requests_per_s"]),
                      f"{fmt(served['latency_s']['p50'], 3)} / {fmt(served['latency_s']['p90'], 3)} / "
                      f"{fmt(served['latency_s']['p99'], 3)}",
                      fmt(chat["ttft_s"]["p50"] * 1000, 1), fmt(served["ttft_s"]["p50"] * 1000, 1),
                      fmt((served["ttft_s"]["p50"] - chat["ttft_s"]["p50"]) * 1000, 1),
                      run["machine"]["load_average"][0]])
-    table = markdown_table(["package", "clients", "new tokens", "Chat req/s", "server req/s",
+    table = markdown_table(["package", "threads", "clients", "new tokens", "Chat req/s", "server req/s",
                             "server latency s p50 / p90 / p99", "Chat TTFT ms p50", "server TTFT ms p50",
                             "overhead ms", "load average"], rows)
     commands = "\n".join(f"- {label}: `{run['command']}`" for label, run in results["runs"].items())
@@ -256,9 +262,10 @@ def section(results: dict[str, Any]) -> str:
             "Short text requests, each a fresh one-question conversation, greedy. `Chat` = the run-time helper called "
             "directly in one process (one request after the other: its requests/s is 1 / mean latency); server = "
             "`python -m builder_plugin.serve` in its own process, called over HTTP on 127.0.0.1 by `clients` "
-            "threads with the openai client (the rows here were measured when the server answered one request at a "
-            "time, the others waiting in the queue; it now interleaves up to --max-conversations answers, see "
-            "\"Serving several users\"). "
+            "threads with the openai client; the server interleaves up to --max-conversations answers (\"Serving "
+            "several users\"; a row whose threads say \"genai's own\" was measured when it answered one request at a "
+            "time, with onnxruntime-genai's own thread count). Threads = intra-op threads of every session, Chat's "
+            "and the server's default unless the command sets --threads. "
             "TTFT = request sent to the first non-empty content chunk (server, streamed) or first non-empty piece "
             "(Chat), one client, the Chat and server requests in turn (both packages loaded at once, so background "
             "load hits them alike); overhead = server TTFT - Chat TTFT (HTTP, JSON, the queue and the worker "
@@ -285,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--guidance-runs", type=int, default=3, help="runs of each kind with --guidance")
     parser.add_argument("--threads", type=int, default=None,
                         help="intra-op threads of every session, for the server and Chat alike (default: theirs, "
-                        "every CPU the process may use)")
+                        "one per physical core the process may use)")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--doc", default=str(DOC), help="Markdown file to update ('' = none)")
     args = parser.parse_args(argv)
@@ -296,9 +303,12 @@ def main(argv: list[str] | None = None) -> int:
     results = {"runs": {}}
     if args.out.is_file():
         results = json.loads(args.out.read_text(encoding="utf-8"))
+    from builder_plugin.runtime.threads import default_threads
+
+    threads = args.threads or default_threads()  # what Chat and the server ran with
     if args.guidance:
         results.setdefault("guidance", {})[label] = {
-            "package": str(package), "command": command.strip(), "max_tokens": args.max_tokens,
+            "package": str(package), "command": command.strip(), "max_tokens": args.max_tokens, "threads": threads,
             "kinds": measure_guidance(package, args), "machine": machine_info(), "code": git_state()}
         write_json(args.out, results)
         if args.doc:
@@ -306,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
         print(guidance_section(results))
         return 0
     run = {"package": str(package), "command": command.strip(), "requests": args.requests,
-           "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+           "concurrency": args.concurrency, "max_tokens": args.max_tokens, "threads": threads,
            **measure(package, args)}
     run["ttft_overhead_ms"] = (run["server"]["ttft_s"]["p50"] - run["chat"]["ttft_s"]["p50"]) * 1000
     run["machine"] = machine_info()

@@ -9,7 +9,7 @@ alternate the order of the two settings so background load hits both alike. Sett
 - "as built": `Chat(threads=genai_default_threads())`, the count onnxruntime-genai 0.18 gives every session of a
   package that does not set one (min(16, CPUs / 2)); it is what an app loading the package with `og.Model(path)`
   gets.
-- "default": `Chat(package)`, every CPU the process may use (builder_plugin.runtime.threads).
+- "default": `Chat(package)`, one thread per physical core the process may use (builder_plugin.runtime.threads).
   Idle pool threads sleep at once (`session.intra_op.allow_spinning` "0").
 - "default, spinning" (--spin-setting, Chat only): the same with `session.intra_op.allow_spinning` "1" (onnxruntime's
   own default) in every section the overlay sets: a pool thread with no work spins before it sleeps.
@@ -20,8 +20,11 @@ time to its first token. With --serve, the same two settings through `python -m 
 (and without --threads): one request with max_tokens 1 (time to first token) and one with --new-tokens
 (decode rate = (completion tokens - 1) / (its time - the first request's time)).
 
-Bytes per step: the decoder's MatMul / MatMulNBits weights (runtime_bench.decoder_graph); read bound = numpy read
-bandwidth with every CPU (common.read_bandwidth, best of each round, measured in this run) / bytes per step.
+Bytes per step: the decoder's MatMul / MatMulNBits weights (runtime_bench.decoder_graph). Share of the read bound:
+this machine's memory bandwidth moves by a third from minute to minute (a shared host), so each decode rate is set
+against numpy read probes (common.read_bandwidth, every CPU) taken in the same process right before and after it:
+share = bytes per step x tokens/s / the mean of those two probes. The raw generator alternates blocks of
+RAW_BLOCK steps with probes and reports the median block's share.
 Results: --out (merged by --label) and the "Threads" section of --doc.
 """
 
@@ -60,6 +63,15 @@ HEADING = "## Threads"
 QUESTION = "Write a long story about a lighthouse keeper and the ships she watches."
 SETTINGS = ("as built", "default")
 SPIN = "default, spinning"  # --spin-setting: idle pool threads spin before they sleep (onnxruntime's own default)
+RAW_BLOCK = 8  # raw decode steps between two read probes
+PROBE_REPEATS = 3  # 1 GB reads per probe (best taken): ~0.1 s
+
+
+def probe_gb_s() -> float:
+    """Read bandwidth now, with every CPU this process may use."""
+    from builder_plugin.cpus import available_cpus
+
+    return read_bandwidth(threads=available_cpus(), repeats=PROBE_REPEATS).best_gb_s
 
 
 def _threads_of(setting: str) -> int | None:
@@ -84,12 +96,15 @@ def chat_worker(job: dict[str, Any]) -> dict[str, Any]:
     for _ in chat.ask("Hello", max_new_tokens=4):
         pass
     chat.clear()
+    before = probe_gb_s()
     for _ in chat.ask(QUESTION, max_new_tokens=job["new_tokens"]):
         pass
+    after = probe_gb_s()
     stats = chat.last_stats
     out["chat"] = {"tokens_per_s": stats.tokens_per_s, "new_tokens": stats.new_tokens,
-                   "ttft_s": stats.time_to_first_token_s, "prompt_tokens": stats.prompt_tokens}
-    out["raw_steps_s"] = raw_steps(chat, variant, job["new_tokens"])
+                   "ttft_s": stats.time_to_first_token_s, "prompt_tokens": stats.prompt_tokens,
+                   "read_gb_s": [before, after]}
+    out["raw_steps_s"], out["raw_blocks"] = raw_steps(chat, variant, job["new_tokens"])
     if job.get("image"):
         chat.clear()
         for _ in chat.ask("Describe this picture.", images=[job["image"]], max_new_tokens=1):
@@ -99,8 +114,9 @@ def chat_worker(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def raw_steps(chat: Any, variant: str, new_tokens: int) -> list[float]:
-    """Each generate_next_token after the first of a greedy og.Generator on Chat's model, eos masked."""
+def raw_steps(chat: Any, variant: str, new_tokens: int) -> tuple[list[float], list[dict[str, Any]]]:
+    """Each generate_next_token after the first of a greedy og.Generator on Chat's model, eos masked; and the blocks
+    of RAW_BLOCK steps with the read probes before and after each."""
     import onnxruntime_genai as og
 
     model = chat.model(variant)
@@ -111,12 +127,19 @@ def raw_steps(chat: Any, variant: str, new_tokens: int) -> list[float]:
     params.set_search_options(max_length=total, min_length=total, do_sample=False)
     generator = og.Generator(model, params)
     generator.append_tokens(ids)
-    steps = []
+    generator.generate_next_token()  # the prompt's
+    steps: list[float] = []
+    blocks: list[dict[str, Any]] = []
     while not generator.is_done():
-        start = time.perf_counter()
-        generator.generate_next_token()
-        steps.append(time.perf_counter() - start)
-    return steps[1:]
+        before = probe_gb_s()
+        block = []
+        while len(block) < RAW_BLOCK and not generator.is_done():
+            start = time.perf_counter()
+            generator.generate_next_token()
+            block.append(time.perf_counter() - start)
+        blocks.append({"steps_s": block, "read_gb_s": [before, probe_gb_s()]})
+        steps += block
+    return steps, blocks
 
 
 def server_worker(job: dict[str, Any]) -> dict[str, Any]:
@@ -144,12 +167,14 @@ def server_worker(job: dict[str, Any]) -> dict[str, Any]:
 
         request(4)  # warm-up
         first_s, _ = request(1)
+        before = probe_gb_s()
         total_s, tokens = request(job["new_tokens"])
+        after = probe_gb_s()
     finally:
         server.terminate()
         server.wait(timeout=60)
     decode_s = total_s - first_s
-    return {"load_s": load_s, "server": {"ttft_s": first_s, "new_tokens": tokens,
+    return {"load_s": load_s, "server": {"ttft_s": first_s, "new_tokens": tokens, "read_gb_s": [before, after],
                                          "tokens_per_s": (tokens - 1) / decode_s if tokens > 1 and decode_s > 0
                                          else 0.0}}
 
@@ -167,7 +192,8 @@ def run_worker(job: dict[str, Any], lock: str | None) -> dict[str, Any]:
 # ---- the run ------------------------------------------------------------------------------------------------------
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
-    from builder_plugin.cpus import available_cpus, genai_default_threads
+    from builder_plugin.cpus import available_cpus
+    from builder_plugin.runtime.threads import default_threads, genai_default_threads
 
     image = None
     if args.image:
@@ -201,7 +227,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     print(f"  {Path(package).name} {setting} {via}: {summary_line(result)}", file=sys.stderr,
                           flush=True)
     return {"packages": packages, "read_bandwidth": bandwidth, "cpus": available_cpus(),
-            "genai_default_threads": genai_default_threads(), "new_tokens": args.new_tokens,
+            "default_threads": default_threads(), "genai_default_threads": genai_default_threads(),
+            "new_tokens": args.new_tokens,
             "image_size": args.image_size if args.image else None, "rounds": args.rounds}
 
 
@@ -223,31 +250,61 @@ def _best_median(values: list[float]) -> tuple[float | None, float | None]:
     return (max(values), statistics.median(values)) if values else (None, None)
 
 
+def _shares(runs: list[dict[str, Any]], via: str, step_bytes: int, fallback_gb_s: float) -> list[tuple[float, float]]:
+    """(tokens/s, share of the read bound) of each run through `via` ("chat", "raw", "server"): the decode's read
+    rate over the mean of the probes beside it (runs recorded before the paired probes: the run's best probe)."""
+    out = []
+    for run in runs:
+        if via == "raw":
+            if "raw_steps_s" not in run:
+                continue
+            rate = 1 / statistics.median(run["raw_steps_s"])
+            blocks = run.get("raw_blocks") or [{"steps_s": run["raw_steps_s"], "read_gb_s": [fallback_gb_s]}]
+            share = statistics.median(len(b["steps_s"]) / sum(b["steps_s"]) * step_bytes
+                                      / (statistics.mean(b["read_gb_s"]) * GB) for b in blocks)
+        elif via in run:
+            rate = run[via]["tokens_per_s"]
+            share = rate * step_bytes / (statistics.mean(run[via].get("read_gb_s", [fallback_gb_s])) * GB)
+        else:
+            continue
+        out.append((rate, share))
+    return out
+
+
+def _probes(runs: list[dict[str, Any]]) -> list[float]:
+    values = [v for r in runs for via in ("chat", "server") if via in r for v in r[via].get("read_gb_s", [])]
+    return values + [v for r in runs for b in r.get("raw_blocks", []) for v in b["read_gb_s"]]
+
+
 def report(results: dict[str, Any]) -> str:
-    read = max(b["best_gb_s"] for b in results["read_bandwidth"]) * GB
+    best_probe = max(b["best_gb_s"] for b in results["read_bandwidth"])
     rows = []
     for package, entry in results["packages"].items():
         step_bytes = entry["bytes"]["total_bytes"]
-        bound = read / step_bytes
         for setting, runs in entry["runs"].items():
-            chat = [r["chat"]["tokens_per_s"] for r in runs if "chat" in r]
-            raw = [1 / statistics.median(r["raw_steps_s"]) for r in runs if "raw_steps_s" in r]
-            served = [r["server"]["tokens_per_s"] for r in runs if "server" in r]
             image = [r["image"]["ttft_s"] for r in runs if "image" in r]
-            threads = results["genai_default_threads"] if setting == "as built" else results["cpus"]
+            threads = (results["genai_default_threads"] if setting == "as built"
+                       else results.get("default_threads", results["cpus"]))
 
-            def cell(values: list[float], bound: float = bound) -> str:
-                best, median = _best_median(values)
-                if best is None:
+            def cell(via: str, runs: list[dict[str, Any]] = runs, step_bytes: int = step_bytes) -> str:
+                pairs = _shares(runs, via, step_bytes, best_probe)
+                if not pairs:
                     return "-"
-                text = f"{fmt(best)} / {fmt(median)}"
-                return f"{text} ({100 * best / bound:.0f} %)"
+                rates, shares = [p[0] for p in pairs], [p[1] for p in pairs]
+                return (f"{fmt(max(rates))} / {fmt(statistics.median(rates))} "
+                        f"({100 * statistics.median(shares):.0f} %, {100 * min(shares):.0f}-{100 * max(shares):.0f})")
 
+            probes = _probes(runs)
+            probe_cell = (f"{statistics.median(probes):.1f} ({min(probes):.1f}-{max(probes):.1f})" if probes
+                          else f"{best_probe:.1f} (best of the run)")
             image_cell = "-" if not image else f"{fmt(min(image), 1)} / {fmt(statistics.median(image), 1)}"
             rows.append([f"`{Path(package).name}` ({entry['layers']} layers)", f"{setting} ({threads})",
-                         f"{step_bytes / GB:.2f}", fmt(bound), cell(chat), cell(raw), cell(served), image_cell])
-    headers = ["package", "setting (threads)", "GB / step", "read bound tok/s", "Chat tok/s best / median (% of bound)",
-               "raw generator tok/s (1 / median step)", "server tok/s", "image first token s best / median"]
+                         f"{step_bytes / GB:.2f}", probe_cell, cell("chat"), cell("raw"), cell("server"),
+                         image_cell])
+    headers = ["package", "setting (threads)", "GB / step", "read probes GB/s median (range)",
+               "Chat tok/s best / median (share of read bound: median, range)",
+               "raw generator tok/s (1 / median step) (share)", "server tok/s (share)",
+               "image first token s best / median"]
     tokens = {r["image"]["prompt_tokens"] for e in results["packages"].values() for rs in e["runs"].values()
               for r in rs if "image" in r}
     return "\n".join([
@@ -256,12 +313,13 @@ def report(results: dict[str, Any]) -> str:
         f"fresh process, alternating. {results['new_tokens']} new tokens of a text question (Chat: the answer's "
         "decode rate; raw: a greedy og.Generator on Chat's model with end-of-sequence masked, 1 / median step; "
         "server: one `python -m builder_plugin.serve` request, decode rate after its first token). "
-        f"Read bound = numpy read bandwidth with {results['cpus']} threads (best {read / GB:.1f} GB/s in this run) / "
-        "the decoder's MatMul weight bytes per step. "
+        f"Share of the read bound = the decoder's MatMul weight bytes per step x tokens/s / numpy read bandwidth "
+        f"with {results['cpus']} threads, probed in the same process right before and after each decode (runs "
+        "without such probes: the run's best probe). "
         + (f"Image: one {'x'.join(map(str, results['image_size']))} image ({', '.join(map(str, sorted(tokens)))} "
            "prompt tokens), time to the first token through Chat. " if results["image_size"] else "")
         + "\"as built\" = the thread count onnxruntime-genai 0.18 picks itself (min(16, CPUs / 2)); \"default\" = "
-        "Chat's and the server's (every CPU the process may use).\n",
+        "Chat's and the server's (one per physical core the process may use).\n",
         markdown_table(headers, rows),
         "",
         machine_markdown(results["machine"]),

@@ -56,14 +56,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--vision-layers", type=int, default=4, help="SigLIP layers (the real model has 27)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None,
-                        help="threads for both ORT and torch (default: every CPU the process may use)")
+                        help="threads for both ORT and torch (default: one per physical core the process may use)")
     parser.add_argument("--checkpoint", type=Path, help="existing (or to-be-created, kept) full-width checkpoint")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     if args.threads is None:
-        from builder_plugin.cpus import available_cpus
+        from builder_plugin.runtime.threads import default_threads
 
-        args.threads = available_cpus()
+        args.threads = default_threads()
     torch.set_num_threads(args.threads)
 
     work = Path(tempfile.mkdtemp(prefix="bench-vision-"))

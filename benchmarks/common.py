@@ -58,14 +58,14 @@ def time_in_turn(runners: Mapping[str, Callable[[], Any]], repeats: int
 
 
 def cpu_session(path: str | Path, threads: int | None = None) -> Any:
-    """A plain onnxruntime CPU session with `threads` intra-op threads (default: every CPU the process may use, as
-    the packages' sessions get them; onnxruntime imported on first use)."""
+    """A plain onnxruntime CPU session with `threads` intra-op threads (default: the count the packages' sessions get
+    at load, runtime.threads.default_threads; onnxruntime imported on first use)."""
     import onnxruntime as ort
 
-    from builder_plugin.cpus import available_cpus
+    from builder_plugin.runtime.threads import default_threads
 
     options = ort.SessionOptions()
-    options.intra_op_num_threads = threads or available_cpus()
+    options.intra_op_num_threads = threads or default_threads()
     options.inter_op_num_threads = 1
     return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
 
@@ -292,8 +292,9 @@ def make_media(folder: Path, image_size: tuple[int, int], audio_seconds: float) 
 def greedy_text_answer(package: str | Path, question: str, new_tokens: int,
                        threads: int | None = None) -> dict[str, Any]:
     """Load `package` with onnxruntime-genai in this process, as an app following the README does (every session
-    given `threads` intra-op threads, default every CPU the process may use), and answer one text question greedily:
-    load time, prompt tokens, prefill (to the first token), the time of each later step, the tokens."""
+    given `threads` intra-op threads, default one per physical core the process may use), and answer one text
+    question greedily: load time, prompt tokens, prefill (to the first token), the time of each later step, the
+    tokens."""
     import onnxruntime_genai as og
 
     from builder_plugin.layout import GENAI_CONFIG_FILE

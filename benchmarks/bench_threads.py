@@ -22,7 +22,7 @@ time to its first token. With --serve, the same two settings through `python -m 
 
 Bytes per step: the decoder's MatMul / MatMulNBits weights (runtime_bench.decoder_graph). Share of the read bound:
 this machine's memory bandwidth moves by a third from minute to minute (a shared host), so each decode rate is set
-against numpy read probes (common.read_bandwidth, every CPU) taken in the same process right before and after it:
+against numpy read probes (common.read_probe_gb_s, every CPU) taken in the same process right before and after it:
 share = bytes per step x tokens/s / the mean of those two probes. The raw generator alternates blocks of
 RAW_BLOCK steps with probes and reports the median block's share.
 Results: --out (merged by --label) and the "Threads" section of --doc.
@@ -50,6 +50,7 @@ from common import (
     markdown_table,
     publish,
     read_bandwidth,
+    read_probe_gb_s,
 )
 from runtime_bench.decoder_graph import decode_weight_bytes
 
@@ -64,14 +65,6 @@ QUESTION = "Write a long story about a lighthouse keeper and the ships she watch
 SETTINGS = ("as built", "default")
 SPIN = "default, spinning"  # --spin-setting: idle pool threads spin before they sleep (onnxruntime's own default)
 RAW_BLOCK = 8  # raw decode steps between two read probes
-PROBE_REPEATS = 3  # 1 GB reads per probe (best taken): ~0.1 s
-
-
-def probe_gb_s() -> float:
-    """Read bandwidth now, with every CPU this process may use."""
-    from builder_plugin.cpus import available_cpus
-
-    return read_bandwidth(threads=available_cpus(), repeats=PROBE_REPEATS).best_gb_s
 
 
 def _threads_of(setting: str) -> int | None:
@@ -96,10 +89,10 @@ def chat_worker(job: dict[str, Any]) -> dict[str, Any]:
     for _ in chat.ask("Hello", max_new_tokens=4):
         pass
     chat.clear()
-    before = probe_gb_s()
+    before = read_probe_gb_s()
     for _ in chat.ask(QUESTION, max_new_tokens=job["new_tokens"]):
         pass
-    after = probe_gb_s()
+    after = read_probe_gb_s()
     stats = chat.last_stats
     out["chat"] = {"tokens_per_s": stats.tokens_per_s, "new_tokens": stats.new_tokens,
                    "ttft_s": stats.time_to_first_token_s, "prompt_tokens": stats.prompt_tokens,
@@ -131,13 +124,13 @@ def raw_steps(chat: Any, variant: str, new_tokens: int) -> tuple[list[float], li
     steps: list[float] = []
     blocks: list[dict[str, Any]] = []
     while not generator.is_done():
-        before = probe_gb_s()
+        before = read_probe_gb_s()
         block = []
         while len(block) < RAW_BLOCK and not generator.is_done():
             start = time.perf_counter()
             generator.generate_next_token()
             block.append(time.perf_counter() - start)
-        blocks.append({"steps_s": block, "read_gb_s": [before, probe_gb_s()]})
+        blocks.append({"steps_s": block, "read_gb_s": [before, read_probe_gb_s()]})
         steps += block
     return steps, blocks
 
@@ -167,9 +160,9 @@ def server_worker(job: dict[str, Any]) -> dict[str, Any]:
 
         request(4)  # warm-up
         first_s, _ = request(1)
-        before = probe_gb_s()
+        before = read_probe_gb_s()
         total_s, tokens = request(job["new_tokens"])
-        after = probe_gb_s()
+        after = read_probe_gb_s()
     finally:
         server.terminate()
         server.wait(timeout=60)

@@ -231,6 +231,14 @@ def read_bandwidth(size_bytes: int = GIB, repeats: int = 7, threads: int = 1) ->
     return _bandwidth_probe("read", size_bytes, repeats, threads)
 
 
+def read_probe_gb_s(repeats: int = 3) -> float:
+    """Read bandwidth now, with every CPU this process may use: the best of `repeats` 1 GB reads (~0.1 s), taken
+    right beside a measurement to set it against the bandwidth of that moment."""
+    from builder_plugin.cpus import available_cpus
+
+    return read_bandwidth(threads=available_cpus(), repeats=repeats).best_gb_s
+
+
 # ---- output -------------------------------------------------------------------------------------------------------
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import GB, command_line, git_state, machine_info, machine_markdown, markdown_table, publish, read_bandwidth
+from common import GB, command_line, git_state, machine_info, machine_markdown, markdown_table, publish, read_probe_gb_s
 from runtime_bench.decoder_graph import decode_weight_bytes
 
 from builder_plugin.layout import GENAI_CONFIG_FILE
@@ -41,8 +41,7 @@ MATMULS = ("MatMul", "MatMulNBits")
 def profile(package: Path, steps: int) -> dict[str, Any]:
     import onnxruntime_genai as og
 
-    from builder_plugin.cpus import available_cpus
-    from builder_plugin.runtime.threads import thread_overlay
+    from builder_plugin.runtime.threads import default_threads, thread_overlay
 
     config = json.loads((package / GENAI_CONFIG_FILE).read_text())
     overlay = thread_overlay(config)
@@ -58,13 +57,13 @@ def profile(package: Path, steps: int) -> dict[str, Any]:
         generator = og.Generator(model, params)
         generator.append_tokens(ids)
         generator.generate_next_token()
-        before = read_bandwidth(threads=available_cpus(), repeats=3).best_gb_s
+        before = read_probe_gb_s()
         times = []
         for _ in range(steps):
             start = time.perf_counter()
             generator.generate_next_token()
             times.append(time.perf_counter() - start)
-        after = read_bandwidth(threads=available_cpus(), repeats=3).best_gb_s
+        after = read_probe_gb_s()
         del generator, params, model  # the session writes its profile when it ends
         files = sorted(Path(folder).glob("decoder*.json"), key=lambda p: p.stat().st_size)
         events = json.loads(files[-1].read_text())
@@ -80,8 +79,6 @@ def profile(package: Path, steps: int) -> dict[str, Any]:
         kernel_us[op] += event["dur"]
         calls[op] += 1
     count = len(decode_runs)
-    from builder_plugin.runtime.threads import default_threads
-
     return {"threads": default_threads(), "steps_s": times, "read_gb_s": [before, after],
             "run_ms": statistics.mean(r["dur"] for r in decode_runs) / 1e3,
             "ops": {op: {"ms": us / count / 1e3, "calls": calls[op] / count} for op, us in kernel_us.items()}}
@@ -125,7 +122,7 @@ def report(results: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("packages", nargs="+")
+    parser.add_argument("packages", nargs="*")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--lock", default=None, help="flock this file around each package's process")
     parser.add_argument("--label", default=None)
@@ -136,9 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         print(json.dumps(profile(Path(args.worker), args.steps)))
         return 0
+    if not args.packages:
+        parser.error("give at least one package folder")
     packages = {}
     for package in args.packages:
-        command = [sys.executable, __file__, package, "--worker", package, "--steps", str(args.steps)]
+        command = [sys.executable, __file__, "--worker", package, "--steps", str(args.steps)]
         if args.lock:
             command = ["flock", args.lock, *command]
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -94,8 +95,8 @@ def ask_server(client: Any, model: str, i: int, max_tokens: int, stream: bool) -
 
 
 @contextlib.contextmanager
-def served(package: Path, args: argparse.Namespace) -> Iterator[tuple[str, str]]:
-    """`python -m builder_plugin.serve` on a free port: (base URL, model id); stopped on exit."""
+def served(package: Path, args: argparse.Namespace) -> Iterator[tuple[str, str, int]]:
+    """`python -m builder_plugin.serve` on a free port: (base URL, model id, process id); stopped on exit."""
     command = [sys.executable, "-m", "builder_plugin.serve", str(package), "--port", "0",
                "--max-queue", str(max(args.concurrency, 1))]
     if args.max_length:
@@ -107,10 +108,19 @@ def served(package: Path, args: argparse.Namespace) -> Iterator[tuple[str, str]]
         line = server.stdout.readline()
         if not line.startswith("serving "):
             raise RuntimeError(f"the server did not start: {line!r}")
-        yield line.split(" at ")[1].strip(), line.split()[1]
+        yield line.split(" at ")[1].strip(), line.split()[1], server.pid
     finally:
         server.terminate()
         server.wait(timeout=60)
+
+
+def faults_and_system_s(pid: int) -> tuple[int, float]:
+    """A process's minor page faults and system CPU seconds so far (Linux /proc; 0, 0.0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text(encoding="ascii").rsplit(")", 1)[1].split()
+    except OSError:
+        return 0, 0.0
+    return int(fields[7]), int(fields[12]) / os.sysconf("SC_CLK_TCK")
 
 
 # ---- measurements -------------------------------------------------------------------------------------------------
@@ -118,24 +128,36 @@ def served(package: Path, args: argparse.Namespace) -> Iterator[tuple[str, str]]
 
 def measure(package: Path, args: argparse.Namespace) -> dict[str, Any]:
     """Both loaded at once; the time-to-first-token requests alternate between Chat and the server, so background
-    load hits both alike; then the throughput runs, Chat's (one after the other) and the server's (concurrent)."""
+    load hits both alike, first while the server's pool still has empty conversations (each new one allocates its
+    KV cache: fresh pages), then once it is full (a new conversation reuses the pages of the one it releases, as a
+    Chat asking one question after another does); then the throughput runs, Chat's (one after the other) and the
+    server's (concurrent)."""
     import openai
 
     from builder_plugin.runtime import Chat
+    from builder_plugin.serve.defaults import MAX_CONVERSATIONS
 
     def client(url: str) -> openai.OpenAI:
         return openai.OpenAI(base_url=url, api_key="unused", max_retries=0, timeout=600)
 
-    with served(package, args) as (url, model):
+    with served(package, args) as (url, model, pid):
         chat = Chat(package, max_length=args.max_length, threads=args.threads)
         chat.load(chat.variant_for(has_image=False, has_audio=False))
         caller = client(url)
-        ask_chat(chat, -1, args.max_tokens)  # warm-up, both
+        ask_chat(chat, -1, args.max_tokens)  # warm-up, both (the server's takes one of its empty conversations)
         ask_server(caller, model, -1, args.max_tokens, stream=True)
-        ttft: dict[str, list[float]] = {"chat": [], "server": []}
-        for i in range(args.ttft_runs):
-            ttft["chat"].append(ask_chat(chat, i, args.max_tokens)[0])
-            ttft["server"].append(ask_server(caller, model, i, args.max_tokens, stream=True)[0])
+        ttft: dict[str, list[float]] = {"chat": [], "server": [], "server_filling": []}
+        paging: dict[str, list[tuple[int, float]]] = {"server": [], "server_filling": []}
+        filling = MAX_CONVERSATIONS - 1
+        for i in range(filling + args.ttft_runs):
+            kind = "server_filling" if i < filling else "server"
+            seconds = ask_chat(chat, i, args.max_tokens)[0]
+            if kind == "server":
+                ttft["chat"].append(seconds)
+            before = faults_and_system_s(pid)
+            ttft[kind].append(ask_server(caller, model, i, args.max_tokens, stream=True)[0])
+            after = faults_and_system_s(pid)
+            paging[kind].append((after[0] - before[0], after[1] - before[1]))
 
         latency = [ask_chat(chat, 1000 + i, args.max_tokens)[1] for i in range(args.requests)]
         direct = {"ttft_s": percentiles(ttft["chat"]), "latency_s": percentiles(latency),
@@ -164,8 +186,10 @@ def measure(package: Path, args: argparse.Namespace) -> dict[str, Any]:
         for thread in threads:
             thread.join()
         wall = time.perf_counter() - start
-    server = {"ttft_s": percentiles(ttft["server"]), "latency_s": percentiles(served_latency),
-              "requests_per_s": len(served_latency) / wall}
+    server = {"ttft_s": percentiles(ttft["server"]), "ttft_filling_s": percentiles(ttft["server_filling"]),
+              "latency_s": percentiles(served_latency), "requests_per_s": len(served_latency) / wall,
+              "page_faults_per_request": {k: float(np.median([f for f, _ in v])) for k, v in paging.items()},
+              "system_s_per_request": {k: float(np.median([t for _, t in v])) for k, v in paging.items()}}
     return {"chat": direct, "server": server}
 
 
@@ -243,6 +267,16 @@ def guidance_section(results: dict[str, Any]) -> str:
 # ---- report -------------------------------------------------------------------------------------------------------
 
 
+def _filling(served: dict[str, Any]) -> str:
+    """The server's TTFT while its pool fills, with the page faults and system time of such a request; blank for runs
+    recorded before the two were told apart (their TTFT runs all fell while the pool filled)."""
+    if "ttft_filling_s" not in served:
+        return ""
+    faults = served["page_faults_per_request"]["server_filling"]
+    return (f"{fmt(served['ttft_filling_s']['p50'] * 1000, 1)} ({faults / 1000:.0f}k, "
+            f"{fmt(served['system_s_per_request']['server_filling'])})")
+
+
 def section(results: dict[str, Any]) -> str:
     rows = []
     for label, run in results["runs"].items():
@@ -251,11 +285,12 @@ def section(results: dict[str, Any]) -> str:
                      fmt(chat["requests_per_s"]), fmt(served["requests_per_s"]),
                      f"{fmt(served['latency_s']['p50'], 3)} / {fmt(served['latency_s']['p90'], 3)} / "
                      f"{fmt(served['latency_s']['p99'], 3)}",
-                     fmt(chat["ttft_s"]["p50"] * 1000, 1), fmt(served["ttft_s"]["p50"] * 1000, 1),
+                     fmt(chat["ttft_s"]["p50"] * 1000, 1), _filling(served), fmt(served["ttft_s"]["p50"] * 1000, 1),
                      fmt((served["ttft_s"]["p50"] - chat["ttft_s"]["p50"]) * 1000, 1),
                      run["machine"]["load_average"][0]])
     table = markdown_table(["package", "threads", "clients", "new tokens", "Chat req/s", "server req/s",
-                            "server latency s p50 / p90 / p99", "Chat TTFT ms p50", "server TTFT ms p50",
+                            "server latency s p50 / p90 / p99", "Chat TTFT ms p50",
+                            "server TTFT ms p50, pool filling (page faults, system s)", "server TTFT ms p50, pool full",
                             "overhead ms", "load average"], rows)
     commands = "\n".join(f"- {label}: `{run['command']}`" for label, run in results["runs"].items())
     return (f"Commands:\n\n{commands}\n\n"
@@ -268,8 +303,17 @@ def section(results: dict[str, Any]) -> str:
             "and the server's default unless the command sets --threads. "
             "TTFT = request sent to the first non-empty content chunk (server, streamed) or first non-empty piece "
             "(Chat), one client, the Chat and server requests in turn (both packages loaded at once, so background "
-            "load hits them alike); overhead = server TTFT - Chat TTFT (HTTP, JSON, the queue and the worker "
-            "thread). "
+            "load hits them alike). A fresh server first fills its pool: each new conversation takes an empty one "
+            "and allocates its generator's KV cache, which the runtime touches whole (prompt + new tokens + 1024 "
+            "positions of follow-up room: 275 MB, about 70k pages, at full size with 8 new tokens), so its first "
+            "token waits for the kernel to fault those pages in. Once every conversation is held, a new one releases "
+            "the least recently used and its cache reuses those pages, as `Chat` asking one question after another "
+            "does. \"Pool filling\" = the server's requests after its warm-up until every conversation is held (7 "
+            "with the default --max-conversations 8), with the median page faults and system CPU time of the "
+            "server process per request; \"pool full\" = "
+            "the --ttft-runs after them; overhead = pool-full TTFT - Chat TTFT (HTTP, JSON, the queue and the "
+            "worker thread). Rows without a pool-filling figure were measured before the two were told apart: all "
+            "their server requests fell while the pool filled. "
             "Latency percentiles include the time spent waiting in the queue. Load average = the machine's 1-minute "
             "load at the end of the run (2 cores, shared with other jobs when above ~1.5).\n\n" + table
             + guidance_section(results))

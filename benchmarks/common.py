@@ -143,11 +143,14 @@ def machine_info() -> dict[str, Any]:
     for module in ("onnxruntime", "onnxruntime_genai", "torch", "transformers", "onnx"):
         with contextlib.suppress(Exception):  # a missing or broken optional library is just not listed
             versions[module] = __import__(module).__version__
+    from builder_plugin.runtime.threads import default_threads
+
     return {
         "cpu_model": cpu_model,
         "cpu_id": cpu_id,
         "simd": simd,
         "logical_cores": os.cpu_count(),
+        "default_threads": default_threads(),
         "ram_bytes": ram,
         "os": f"{platform.system()} {platform.release()}",
         "load_average": [round(x, 2) for x in os.getloadavg()],
@@ -165,6 +168,9 @@ def machine_markdown(machine: dict[str, Any]) -> str:
         + f", {machine.get('logical_cores')} logical cores"
         + (f"; SIMD: {', '.join(simd)}" if simd else ""),
         f"- RAM: {ram / GIB:.1f} GiB" if ram else "- RAM: unknown",
+        *([f"- Threads: {machine['default_threads']} intra-op threads per session, the run time's default here (one "
+           "per physical core the process may use) unless the command sets --threads"]
+          if "default_threads" in machine else []),
         f"- OS: {machine.get('os')}",
         f"- Libraries: {versions}",
         "- No GPU. Every timing is repeated and reported as best and median (background load only ever slows a "

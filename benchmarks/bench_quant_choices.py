@@ -61,6 +61,7 @@ CHOICES: dict[str, tuple[str, tuple[str, ...]]] = {
     "int4-k_quant": ("int4", ("algo_config=k_quant",)),
     "int4-k_quant_last": ("int4", ("algo_config=k_quant_last",)),
     "int4-k_quant_linear": ("int4", ("algo_config=k_quant_linear",)),
+    "int4-default-block128": ("int4", ("algo_config=default", "block_size=128")),
     "int4-default-asymmetric": ("int4", ("algo_config=default", "is_symmetric=false")),
     "int4-default-int8-mixed": ("int4", ("algo_config=default",
                                          "matmul_mixed_precision=last_matmul:int8,mixed_layers:int8")),

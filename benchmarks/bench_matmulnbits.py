@@ -48,6 +48,7 @@ from common import (  # noqa: E402
     rss_split,
 )
 
+from builder_plugin.memory import proc_kib_field  # noqa: E402
 from builder_plugin.runtime.threads import NO_SPINNING, SPINNING_KEY, default_threads  # noqa: E402
 from builder_plugin.testing.make_checkpoint import PRESETS  # noqa: E402
 
@@ -76,7 +77,7 @@ def write_graph(path: Path, layers: int, block_size: int, accuracy_level: int, s
         for name, k, n in shapes:
             prefix = f"layers.{layer}.{name}"
             weight = rng.integers(0, 256, size=(n, k // block_size, block_size // 2), dtype=np.uint8)
-            scales = (rng.random(n * (k // block_size), dtype=np.float32) * 0.01).astype(np.float32)
+            scales = rng.random(n * (k // block_size), dtype=np.float32) * np.float32(0.01)
             initializers += [numpy_helper.from_array(weight, f"{prefix}.qweight"),
                              numpy_helper.from_array(scales, f"{prefix}.scales")]
             stored += weight.nbytes + scales.nbytes
@@ -119,13 +120,9 @@ def measure(path: Path, threads: int, steps: int) -> dict[str, Any]:
 
 def _anon_huge_bytes() -> int | None:
     try:
-        with open("/proc/self/smaps_rollup", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("AnonHugePages:"):
-                    return int(line.split()[1]) * 1024
+        return proc_kib_field("/proc/self/smaps_rollup", "AnonHugePages")
     except OSError:
-        pass
-    return None
+        return None
 
 
 def _child(path: Path, threads: int, steps: int, hugepages: bool) -> dict[str, Any]:

@@ -37,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import tiny_package
 from common import fmt, git_state, machine_info, markdown_table, replace_markdown_section, write_json
 
+from builder_plugin.memory import proc_kib_field
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "serve_users.json"
 DOC = ROOT / "docs" / "benchmarks.md"
@@ -81,10 +83,7 @@ def stream(client: Any, model: str, messages: list[dict], max_tokens: int) -> di
 
 
 def peak_rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    return proc_kib_field(f"/proc/{pid}/status", "VmHWM") or 0
 
 
 def short_question(i: int) -> list[dict]:

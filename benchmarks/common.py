@@ -74,14 +74,12 @@ def cpu_session(path: str | Path, threads: int | None = None) -> Any:
 
 
 def _status_bytes(field: str) -> int | None:
+    from builder_plugin.memory import proc_kib_field
+
     try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
+        return proc_kib_field("/proc/self/status", field)
     except OSError:
-        pass
-    return None
+        return None
 
 
 def peak_rss_bytes() -> int:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from builder_plugin.memory import proc_kib_field
 from builder_plugin.runtime import Chat, Turn
 
 log = logging.getLogger("builder_plugin.serve")
@@ -132,10 +133,6 @@ def default_kv_budget(chat: Chat, max_conversations: int, available_bytes: int |
 def available_memory() -> int | None:
     """MemAvailable from /proc/meminfo (Linux), else None."""
     try:
-        with open("/proc/meminfo", encoding="ascii") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+        return proc_kib_field("/proc/meminfo", "MemAvailable")
     except OSError:
         return None
-    return None

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import builder_plugin
+from builder_plugin.memory import proc_kib_field
 
 _SERVING = re.compile(r"^serving (\S+) at (http://\S+)$")
 
@@ -59,11 +60,10 @@ class ServerProcess:
 
     def rss_bytes(self) -> int:
         """VmRSS of the server process."""
-        with open(f"/proc/{self.pid}/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        raise RuntimeError("no VmRSS in /proc status")
+        rss = proc_kib_field(f"/proc/{self.pid}/status", "VmRSS")
+        if rss is None:
+            raise RuntimeError("no VmRSS in /proc status")
+        return rss
 
     def thread_count(self) -> int:
         return len(os.listdir(f"/proc/{self.pid}/task"))

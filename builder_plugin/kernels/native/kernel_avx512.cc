@@ -1,0 +1,304 @@
+// The int8 path on AVX-512 VNNI, reading B in place (the stored MatMulNBits layout, no prepacked copy).
+//
+// A's rows are quantized per block of K to int8. B is read 64 bytes (a "chunk") of one column at a time: for 4 bits
+// the low nibbles of a chunk hold 64 even-numbered rows of K and the high nibbles the odd ones, so A is kept split into
+// its even and odd elements and each nibble plane meets its half with one vpdpbusd (unsigned codes x signed
+// activations). Each 32-bit lane of a chunk lies inside one block, so a lane's integer sum is exact and gets its
+// block's scales when it is converted to float; the zero point enters the integer sum through the lane's sum of
+// activations (sum (code - zp) a = sum code a - zp sum a). Columns are split over onnxruntime's intra-op threads.
+#include "matmul_nbits.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
+
+#define BP_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,avx2,bmi2")))
+
+namespace bp {
+namespace {
+
+constexpr int kChunk = 64;    // bytes of a column read at once
+constexpr int kLanes = 16;    // 32-bit lanes of a chunk
+constexpr int kRowGroup = 8;  // rows sharing each chunk of B in the inner loop
+
+void* aligned(size_t bytes) { return ::operator new(bytes, std::align_val_t(64)); }
+struct AlignedFree {
+  void operator()(void* p) const { ::operator delete(p, std::align_val_t(64)); }
+};
+using Buffer = std::unique_ptr<void, AlignedFree>;
+
+// How the chunks of one column map to blocks.
+struct Layout {
+  int bits = 4, block = 32, block_bytes = 16;
+  int64_t blocks = 0, column_bytes = 0, chunks = 0, zero_point_columns = 0;
+  int blocks_per_chunk = 0;  // 0: every chunk lies inside one block
+  uint64_t tail = ~0ull;     // byte mask of the last chunk
+  alignas(64) int32_t lane_block[kLanes] = {};  // lane -> block within its chunk
+  alignas(64) int32_t zp_byte[kLanes] = {};     // 4 bits: lane -> byte of the chunk's zero points
+  alignas(64) int32_t zp_shift[kLanes] = {};    // 4 bits: lane -> shift of its zero point in that byte
+
+  explicit Layout(const Weights& w) {
+    bits = static_cast<int>(w.bits);
+    block = static_cast<int>(w.block);
+    block_bytes = block * bits / 8;
+    blocks = w.blocks();
+    column_bytes = w.column_bytes();
+    chunks = (column_bytes + kChunk - 1) / kChunk;
+    zero_point_columns = w.zero_point_columns();
+    const int64_t rest = column_bytes % kChunk;
+    tail = rest ? (1ull << rest) - 1 : ~0ull;
+    blocks_per_chunk = block_bytes < kChunk ? kChunk / block_bytes : 0;
+    for (int lane = 0; lane < kLanes; ++lane) {
+      lane_block[lane] = blocks_per_chunk ? lane * 4 / block_bytes : 0;
+      zp_byte[lane] = lane_block[lane] / 2;
+      zp_shift[lane] = 4 * (lane_block[lane] % 2);
+    }
+  }
+  // elements of K one chunk covers
+  int64_t chunk_elements() const { return kChunk * 8 / bits; }
+};
+
+// A's rows quantized: per row and chunk, the int8 operands of the chunk's vpdpbusd (4 bits: even then odd elements),
+// the lanes' activation scales, and the lanes' activation sums (negated; times the default zero point when B has none).
+struct Activations {
+  int64_t rows = 0, chunks = 0, planes = 1;
+  Buffer q, scale, offset;
+  const int8_t* operand(int64_t row, int64_t chunk, int plane) const {
+    return static_cast<const int8_t*>(q.get()) + ((row * chunks + chunk) * planes + plane) * kChunk;
+  }
+  const float* lane_scale(int64_t row, int64_t chunk) const {
+    return static_cast<const float*>(scale.get()) + (row * chunks + chunk) * kLanes;
+  }
+  const int32_t* lane_offset(int64_t row, int64_t chunk) const {
+    return static_cast<const int32_t*>(offset.get()) + (row * chunks + chunk) * kLanes;
+  }
+};
+
+BP_AVX512 void quantize_rows(const Layout& lay, const float* a, int64_t k, int64_t rows, bool zero_points,
+                             Activations& act) {
+  act.rows = rows;
+  act.chunks = lay.chunks;
+  act.planes = lay.bits == 4 ? 2 : 1;
+  const int64_t padded = lay.chunks * lay.chunk_elements();
+  act.q.reset(aligned(static_cast<size_t>(rows * padded)));
+  act.scale.reset(aligned(static_cast<size_t>(rows * lay.chunks * kLanes * 4)));
+  act.offset.reset(aligned(static_cast<size_t>(rows * lay.chunks * kLanes * 4)));
+  auto* q_all = static_cast<int8_t*>(act.q.get());
+  auto* scale_all = static_cast<float*>(act.scale.get());
+  auto* offset_all = static_cast<int32_t*>(act.offset.get());
+  const int default_zp = 1 << (lay.bits - 1);
+  alignas(64) float block_scale_store[1];
+  (void)block_scale_store;
+  // one row's quantized values in K order, then rearranged into the operands
+  Buffer plain_buffer(aligned(static_cast<size_t>(padded)));
+  auto* plain = static_cast<int8_t*>(plain_buffer.get());
+  Buffer scales_buffer(aligned(static_cast<size_t>(lay.blocks * 4 + 64)));
+  auto* block_scales = static_cast<float*>(scales_buffer.get());
+  const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  for (int64_t row = 0; row < rows; ++row) {
+    const float* x = a + row * k;
+    std::memset(plain, 0, static_cast<size_t>(padded));
+    for (int64_t b = 0; b < lay.blocks; ++b) {
+      const int64_t start = b * lay.block, end = std::min<int64_t>(k, start + lay.block);
+      __m512 amax = _mm512_setzero_ps();
+      for (int64_t i = start; i < end; i += 16) {
+        const __mmask16 m = end - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (end - i)) - 1);
+        amax = _mm512_max_ps(amax, _mm512_and_ps(_mm512_maskz_loadu_ps(m, x + i), abs_mask));
+      }
+      const float top = _mm512_reduce_max_ps(amax);
+      const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
+      block_scales[b] = top / 127.0f;
+      const __m512 inv = _mm512_set1_ps(inverse);
+      const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+      for (int64_t i = start; i < end; i += 16) {
+        const __mmask16 m = end - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (end - i)) - 1);
+        const __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), inv), lo), hi);
+        _mm_mask_storeu_epi8(plain + i, m, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));  // nearest, ties to even
+      }
+    }
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int64_t c = 0; c < lay.chunks; ++c) {
+      int8_t* dst = q_all + (row * lay.chunks + c) * act.planes * kChunk;
+      __m512i sums;
+      if (lay.bits == 4) {  // 128 elements: the low bytes of their 16-bit pairs are the even ones
+        const __m512i first = _mm512_loadu_si512(plain + c * 128), second = _mm512_loadu_si512(plain + c * 128 + 64);
+        const __m512i even = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(first)),
+                                                _mm512_cvtepi16_epi8(second), 1);
+        const __m512i odd = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srai_epi16(first, 8))),
+            _mm512_cvtepi16_epi8(_mm512_srai_epi16(second, 8)), 1);
+        _mm512_store_si512(dst, even);
+        _mm512_store_si512(dst + kChunk, odd);
+        sums = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, even), ones, odd);
+      } else {
+        const __m512i v = _mm512_loadu_si512(plain + c * 64);
+        _mm512_store_si512(dst, v);
+        sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, v);
+      }
+      const __m512i factor = _mm512_set1_epi32(zero_points ? -1 : -default_zp);
+      _mm512_store_si512(offset_all + (row * lay.chunks + c) * kLanes, _mm512_mullo_epi32(sums, factor));
+      float* lane_scale = scale_all + (row * lay.chunks + c) * kLanes;
+      for (int lane = 0; lane < kLanes; ++lane) {
+        const int64_t b = (c * kChunk + lane * 4) / lay.block_bytes;
+        lane_scale[lane] = b < lay.blocks ? block_scales[b] : 0.0f;
+      }
+    }
+  }
+}
+
+// Rows [row0, row0 + MR) x columns [col, col + NR) over all of K.
+template <int BITS, int MR, int NR, bool ZP>
+BP_AVX512 void tile(const Layout& lay, const Weights& w, const Activations& act, int64_t row0, int64_t col,
+                    float* y, int64_t ldy) {
+  __m512 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i lane_block = _mm512_load_si512(lay.lane_block);
+  const __m512i zp_byte = _mm512_load_si512(lay.zp_byte);
+  const __m512i zp_shift = _mm512_load_si512(lay.zp_shift);
+  const __m512i nibble = _mm512_set1_epi32(0x0F);
+  const uint8_t* base[NR];
+  const float* scales[NR];
+  const uint8_t* zps[NR];
+  for (int j = 0; j < NR; ++j) {
+    base[j] = w.packed + (col + j) * lay.column_bytes;
+    scales[j] = w.scales + (col + j) * lay.blocks;
+    zps[j] = ZP ? w.zero_points + (col + j) * lay.zero_point_columns : nullptr;
+  }
+  for (int64_t c = 0; c < lay.chunks; ++c) {
+    const __mmask64 mask = c + 1 == lay.chunks ? lay.tail : ~0ull;
+    __m512i plane0[NR], plane1[NR], zp[NR];
+    __m512 sw[NR];
+    for (int j = 0; j < NR; ++j) {
+      const __m512i v = _mm512_maskz_loadu_epi8(mask, base[j] + c * kChunk);
+      if (BITS == 4) {
+        plane0[j] = _mm512_and_si512(v, low);
+        plane1[j] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      } else {
+        plane0[j] = v;
+      }
+      if (lay.blocks_per_chunk) {
+        const int64_t first = c * lay.blocks_per_chunk;
+        const int64_t count = std::min<int64_t>(lay.blocks_per_chunk, lay.blocks - first);
+        const __mmask16 bmask = static_cast<__mmask16>((1u << count) - 1);
+        sw[j] = _mm512_permutexvar_ps(lane_block, _mm512_maskz_loadu_ps(bmask, scales[j] + first));
+        if (ZP) {
+          if (BITS == 4) {
+            const __mmask16 zmask = static_cast<__mmask16>((1u << ((count + 1) / 2)) - 1);
+            const __m512i bytes = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(zmask, zps[j] + first / 2));
+            zp[j] = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(zp_byte, bytes), zp_shift), nibble);
+          } else {
+            const __m512i bytes = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(bmask, zps[j] + first));
+            zp[j] = _mm512_permutexvar_epi32(lane_block, bytes);
+          }
+        }
+      } else {
+        const int64_t b = c * kChunk / lay.block_bytes;
+        sw[j] = _mm512_set1_ps(scales[j][b]);
+        if (ZP) {
+          const int code = BITS == 4 ? (zps[j][b / 2] >> (4 * (b % 2))) & 0x0F : zps[j][b];
+          zp[j] = _mm512_set1_epi32(code);
+        }
+      }
+    }
+    for (int m = 0; m < MR; ++m) {
+      const int64_t row = row0 + m;
+      const __m512 sa = _mm512_load_ps(act.lane_scale(row, c));
+      const __m512i offset = _mm512_load_si512(act.lane_offset(row, c));
+      const __m512i x0 = _mm512_load_si512(act.operand(row, c, 0));
+      const __m512i x1 = BITS == 4 ? _mm512_load_si512(act.operand(row, c, 1)) : x0;
+      for (int j = 0; j < NR; ++j) {
+        __m512i sum = ZP ? _mm512_madd_epi16(zp[j], offset) : offset;  // -zp * (sum of the lane's activations)
+        sum = _mm512_dpbusd_epi32(sum, plane0[j], x0);
+        if (BITS == 4) sum = _mm512_dpbusd_epi32(sum, plane1[j], x1);
+        acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sw[j], sa), acc[m][j]);
+      }
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int j = 0; j < NR; ++j)
+      y[(row0 + m) * ldy + col + j] = _mm512_reduce_add_ps(acc[m][j]) + (w.bias ? w.bias[col + j] : 0.0f);
+}
+
+using TileFn = void (*)(const Layout&, const Weights&, const Activations&, int64_t, int64_t, float*, int64_t);
+
+template <int BITS, bool ZP, int NR>
+TileFn pick_rows(int rows) {
+  switch (rows) {
+    case 1: return tile<BITS, 1, NR, ZP>;
+    case 2: return tile<BITS, 2, NR, ZP>;
+    case 3: return tile<BITS, 3, NR, ZP>;
+    case 4: return tile<BITS, 4, NR, ZP>;
+    case 5: return tile<BITS, 5, NR, ZP>;
+    case 6: return tile<BITS, 6, NR, ZP>;
+    case 7: return tile<BITS, 7, NR, ZP>;
+    default: return tile<BITS, 8, NR, ZP>;
+  }
+}
+
+TileFn pick(int bits, bool zp, int rows, int columns) {
+  if (bits == 4) {
+    if (zp) return columns == 2 ? pick_rows<4, true, 2>(rows) : pick_rows<4, true, 1>(rows);
+    return columns == 2 ? pick_rows<4, false, 2>(rows) : pick_rows<4, false, 1>(rows);
+  }
+  if (zp) return columns == 2 ? pick_rows<8, true, 2>(rows) : pick_rows<8, true, 1>(rows);
+  return columns == 2 ? pick_rows<8, false, 2>(rows) : pick_rows<8, false, 1>(rows);
+}
+
+struct Job {
+  const Layout* lay;
+  const Weights* w;
+  const Activations* act;
+  float* y;
+  int64_t rows, row_block, column_tile, column_tiles;
+};
+
+// One task: a block of rows x a tile of columns; column pairs outermost so a pair's chunks stay in L1 while each
+// group of rows meets them.
+void run_task(void* data, size_t index) {
+  const Job& job = *static_cast<const Job*>(data);
+  const int64_t row_start = static_cast<int64_t>(index) / job.column_tiles * job.row_block;
+  const int64_t col_start = static_cast<int64_t>(index) % job.column_tiles * job.column_tile;
+  const int64_t row_end = std::min(job.rows, row_start + job.row_block);
+  const int64_t col_end = std::min(job.w->n, col_start + job.column_tile);
+  const bool zp = job.w->zero_points != nullptr;
+  for (int64_t col = col_start; col < col_end; col += 2) {
+    const int columns = col + 2 <= col_end ? 2 : 1;
+    for (int64_t row = row_start; row < row_end; row += kRowGroup) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRowGroup, row_end - row));
+      pick(job.lay->bits, zp, rows, columns)(*job.lay, *job.w, *job.act, row, col, job.y, job.w->n);
+    }
+  }
+}
+
+}  // namespace
+
+bool matmul_int8_avx512(const Weights& w, const float* a, int64_t m, float* y, ParallelFor run, void* context) {
+  if (!cpu().avx512_vnni || (w.bits != 4 && w.bits != 8) || w.block < 16 || w.g_idx != nullptr) return false;
+  const Layout lay(w);
+  Activations act;
+  quantize_rows(lay, a, w.k, m, w.zero_points != nullptr, act);
+  Job job{&lay, &w, &act, y, m, 0, 0, 0};
+  // Few rows: tiles of columns only (each thread streams its own columns once). Many rows: blocks of rows whose
+  // quantized activations stay in L2 while a tile of columns is read once per block.
+  job.row_block = m <= kRowGroup ? m : 64;
+  job.column_tile = 32;
+  job.column_tiles = (w.n + job.column_tile - 1) / job.column_tile;
+  const int64_t row_blocks = (m + job.row_block - 1) / job.row_block;
+  run(context, run_task, static_cast<size_t>(row_blocks * job.column_tiles), &job);
+  return true;
+}
+
+}  // namespace bp
+
+#else
+
+namespace bp {
+bool matmul_int8_avx512(const Weights&, const float*, int64_t, float*, ParallelFor, void*) { return false; }
+}  // namespace bp
+
+#endif

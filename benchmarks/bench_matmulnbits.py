@@ -64,8 +64,10 @@ def layer_shapes(text: dict[str, int]) -> list[tuple[str, int, int]]:
     return [("qkv", hidden, qkv), ("o", hidden, hidden), ("gate_up", hidden, 2 * inner), ("down", inner, hidden)]
 
 
-def write_graph(path: Path, layers: int, block_size: int, accuracy_level: int, seed: int = 0) -> int:
-    """A graph of `layers` layers' MatMulNBits, each reading the input row of its K; returns the stored bytes."""
+def write_graph(path: Path, layers: int, block_size: int, accuracy_level: int, seed: int = 0,
+                rows: int | str = 1) -> int:
+    """A graph of `layers` layers' MatMulNBits, each reading the input rows of its K (`rows`: their count, or a name
+    for any count); returns the stored bytes."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -84,8 +86,8 @@ def write_graph(path: Path, layers: int, block_size: int, accuracy_level: int, s
             nodes.append(helper.make_node("MatMulNBits", [f"x{k}", f"{prefix}.qweight", f"{prefix}.scales"],
                                           [f"{prefix}.out"], domain="com.microsoft", K=k, N=n, bits=4,
                                           block_size=block_size, accuracy_level=accuracy_level))
-            outputs.append(helper.make_tensor_value_info(f"{prefix}.out", TensorProto.FLOAT, [1, n]))
-    graph = helper.make_graph(nodes, "matmulnbits", [helper.make_tensor_value_info(f"x{k}", TensorProto.FLOAT, [1, k])
+            outputs.append(helper.make_tensor_value_info(f"{prefix}.out", TensorProto.FLOAT, [rows, n]))
+    graph = helper.make_graph(nodes, "matmulnbits", [helper.make_tensor_value_info(f"x{k}", TensorProto.FLOAT, [rows, k])
                                                      for k in widths], outputs, initializer=initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                     helper.make_opsetid("com.microsoft", 1)])

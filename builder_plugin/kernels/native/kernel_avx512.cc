@@ -35,6 +35,7 @@ struct Layout {
   int bits = 4, block = 32, block_bytes = 16;
   int64_t blocks = 0, column_bytes = 0, chunks = 0, zero_point_columns = 0;
   int blocks_per_chunk = 0;  // 0: every chunk lies inside one block
+  int block_shift = 0;       // log2(block_bytes)
   uint64_t tail = ~0ull;     // byte mask of the last chunk
   alignas(64) int32_t lane_block[kLanes] = {};  // lane -> block within its chunk
   alignas(64) int32_t zp_byte[kLanes] = {};     // 4 bits: lane -> byte of the chunk's zero points
@@ -51,6 +52,7 @@ struct Layout {
     const int64_t rest = column_bytes % kChunk;
     tail = rest ? (1ull << rest) - 1 : ~0ull;
     blocks_per_chunk = block_bytes < kChunk ? kChunk / block_bytes : 0;
+    while ((1 << block_shift) < block_bytes) ++block_shift;
     for (int lane = 0; lane < kLanes; ++lane) {
       lane_block[lane] = blocks_per_chunk ? lane * 4 / block_bytes : 0;
       zp_byte[lane] = lane_block[lane] / 2;
@@ -154,7 +156,9 @@ template <int BITS, int MR, int NR, bool ZP>
 BP_AVX512 void tile(const Layout& lay, const Weights& w, const Activations& act, int64_t row0, int64_t col,
                     float* y, int64_t ldy) {
   __m512 acc[MR][NR];
+#pragma GCC unroll 8
   for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
   const __m512i lane_block = _mm512_load_si512(lay.lane_block);
@@ -164,6 +168,7 @@ BP_AVX512 void tile(const Layout& lay, const Weights& w, const Activations& act,
   const uint8_t* base[NR];
   const float* scales[NR];
   const uint8_t* zps[NR];
+#pragma GCC unroll 4
   for (int j = 0; j < NR; ++j) {
     base[j] = w.packed + (col + j) * lay.column_bytes;
     scales[j] = w.scales + (col + j) * lay.blocks;
@@ -173,6 +178,12 @@ BP_AVX512 void tile(const Layout& lay, const Weights& w, const Activations& act,
     const __mmask64 mask = c + 1 == lay.chunks ? lay.tail : ~0ull;
     __m512i plane0[NR], plane1[NR], zp[NR];
     __m512 sw[NR];
+    const int64_t first = c * lay.blocks_per_chunk;
+    const int64_t count = std::min<int64_t>(lay.blocks_per_chunk, lay.blocks - first);
+    const __mmask16 bmask = static_cast<__mmask16>((1u << count) - 1);
+    const __mmask16 zmask = static_cast<__mmask16>((1u << ((count + 1) / 2)) - 1);
+    const int64_t whole = (c * kChunk) >> lay.block_shift;  // the block of a chunk inside one
+#pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) {
       const __m512i v = _mm512_maskz_loadu_epi8(mask, base[j] + c * kChunk);
       if (BITS == 4) {
@@ -182,13 +193,9 @@ BP_AVX512 void tile(const Layout& lay, const Weights& w, const Activations& act,
         plane0[j] = v;
       }
       if (lay.blocks_per_chunk) {
-        const int64_t first = c * lay.blocks_per_chunk;
-        const int64_t count = std::min<int64_t>(lay.blocks_per_chunk, lay.blocks - first);
-        const __mmask16 bmask = static_cast<__mmask16>((1u << count) - 1);
         sw[j] = _mm512_permutexvar_ps(lane_block, _mm512_maskz_loadu_ps(bmask, scales[j] + first));
         if (ZP) {
           if (BITS == 4) {
-            const __mmask16 zmask = static_cast<__mmask16>((1u << ((count + 1) / 2)) - 1);
             const __m512i bytes = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(zmask, zps[j] + first / 2));
             zp[j] = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(zp_byte, bytes), zp_shift), nibble);
           } else {
@@ -197,7 +204,7 @@ BP_AVX512 void tile(const Layout& lay, const Weights& w, const Activations& act,
           }
         }
       } else {
-        const int64_t b = c * kChunk / lay.block_bytes;
+        const int64_t b = whole;
         sw[j] = _mm512_set1_ps(scales[j][b]);
         if (ZP) {
           const int code = BITS == 4 ? (zps[j][b / 2] >> (4 * (b % 2))) & 0x0F : zps[j][b];
@@ -205,12 +212,14 @@ BP_AVX512 void tile(const Layout& lay, const Weights& w, const Activations& act,
         }
       }
     }
+#pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
       const int64_t row = row0 + m;
       const __m512 sa = _mm512_load_ps(act.lane_scale(row, c));
       const __m512i offset = _mm512_load_si512(act.lane_offset(row, c));
       const __m512i x0 = _mm512_load_si512(act.operand(row, c, 0));
       const __m512i x1 = BITS == 4 ? _mm512_load_si512(act.operand(row, c, 1)) : x0;
+#pragma GCC unroll 4
       for (int j = 0; j < NR; ++j) {
         __m512i sum = ZP ? _mm512_madd_epi16(zp[j], offset) : offset;  // -zp * (sum of the lane's activations)
         sum = _mm512_dpbusd_epi32(sum, plane0[j], x0);
@@ -226,6 +235,10 @@ BP_AVX512 void tile(const Layout& lay, const Weights& w, const Activations& act,
 
 using TileFn = void (*)(const Layout&, const Weights&, const Activations&, int64_t, int64_t, float*, int64_t);
 
+// Few rows: four columns at a time (one load of a chunk's activations serves four columns); more rows: two, so that
+// the accumulators (rows x columns) stay in registers.
+constexpr int columns_for(int rows) { return rows <= 4 ? 4 : 2; }
+
 template <int BITS, bool ZP, int NR>
 TileFn pick_rows(int rows) {
   switch (rows) {
@@ -240,13 +253,16 @@ TileFn pick_rows(int rows) {
   }
 }
 
+template <int BITS, bool ZP>
+TileFn pick_columns(int rows, int columns) {
+  if (columns == 4) return pick_rows<BITS, ZP, 4>(rows);
+  if (columns == 2) return pick_rows<BITS, ZP, 2>(rows);
+  return pick_rows<BITS, ZP, 1>(rows);
+}
+
 TileFn pick(int bits, bool zp, int rows, int columns) {
-  if (bits == 4) {
-    if (zp) return columns == 2 ? pick_rows<4, true, 2>(rows) : pick_rows<4, true, 1>(rows);
-    return columns == 2 ? pick_rows<4, false, 2>(rows) : pick_rows<4, false, 1>(rows);
-  }
-  if (zp) return columns == 2 ? pick_rows<8, true, 2>(rows) : pick_rows<8, true, 1>(rows);
-  return columns == 2 ? pick_rows<8, false, 2>(rows) : pick_rows<8, false, 1>(rows);
+  if (bits == 4) return zp ? pick_columns<4, true>(rows, columns) : pick_columns<4, false>(rows, columns);
+  return zp ? pick_columns<8, true>(rows, columns) : pick_columns<8, false>(rows, columns);
 }
 
 struct Job {
@@ -266,12 +282,15 @@ void run_task(void* data, size_t index) {
   const int64_t row_end = std::min(job.rows, row_start + job.row_block);
   const int64_t col_end = std::min(job.w->n, col_start + job.column_tile);
   const bool zp = job.w->zero_points != nullptr;
-  for (int64_t col = col_start; col < col_end; col += 2) {
-    const int columns = col + 2 <= col_end ? 2 : 1;
+  const int group = static_cast<int>(std::min<int64_t>(kRowGroup, row_end - row_start));
+  const int step = columns_for(group);
+  for (int64_t col = col_start; col < col_end;) {
+    const int columns = col + step <= col_end ? step : 1;
     for (int64_t row = row_start; row < row_end; row += kRowGroup) {
       const int rows = static_cast<int>(std::min<int64_t>(kRowGroup, row_end - row));
       pick(job.lay->bits, zp, rows, columns)(*job.lay, *job.w, *job.act, row, col, job.y, job.w->n);
     }
+    col += columns;
   }
 }
 

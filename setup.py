@@ -26,7 +26,9 @@ class BuildSharedLibrary(build_ext):
 
     def build_extension(self, ext: Extension) -> None:
         if self.compiler.compiler_type == "unix":
-            ext.extra_compile_args = ["-std=c++17", "-O2", "-fvisibility=hidden", "-Wno-uninitialized",
+            # -g0: no debug information (Python's own flags ask for it); gcc 12 warns about its own intrinsics
+            # headers under per-function target attributes (-Wuninitialized)
+            ext.extra_compile_args = ["-std=c++17", "-O2", "-g0", "-fvisibility=hidden", "-Wno-uninitialized",
                                       "-Wno-maybe-uninitialized"]
             ext.extra_link_args = ["-Wl,--as-needed"]
         super().build_extension(ext)
@@ -34,6 +36,6 @@ class BuildSharedLibrary(build_ext):
 
 setup(
     ext_modules=[Extension("builder_plugin.kernels.ops", sources=sorted(str(p) for p in NATIVE.glob("*.cc")),
-                           language="c++", optional=True)],
+                           depends=sorted(str(p) for p in NATIVE.glob("*.h")), language="c++", optional=True)],
     cmdclass={"build_ext": BuildSharedLibrary},
 )

@@ -87,8 +87,8 @@ def write_graph(path: Path, layers: int, block_size: int, accuracy_level: int, s
                                           [f"{prefix}.out"], domain="com.microsoft", K=k, N=n, bits=4,
                                           block_size=block_size, accuracy_level=accuracy_level))
             outputs.append(helper.make_tensor_value_info(f"{prefix}.out", TensorProto.FLOAT, [rows, n]))
-    graph = helper.make_graph(nodes, "matmulnbits", [helper.make_tensor_value_info(f"x{k}", TensorProto.FLOAT, [rows, k])
-                                                     for k in widths], outputs, initializer=initializers)
+    inputs = [helper.make_tensor_value_info(f"x{k}", TensorProto.FLOAT, [rows, k]) for k in widths]
+    graph = helper.make_graph(nodes, "matmulnbits", inputs, outputs, initializer=initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                     helper.make_opsetid("com.microsoft", 1)])
     onnx.save(model, str(path), save_as_external_data=True, location=path.name + ".data")

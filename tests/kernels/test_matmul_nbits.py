@@ -25,8 +25,8 @@ TRACE = "BUILDER_PLUGIN_OPS_TRACE"
 
 def test_library_is_built_and_matches_the_cpu():
     assert LIBRARY is not None, "pip install builds builder_plugin/kernels/libbuilder_plugin_ops.so"
-    flags = kernels.cpu_flags()
-    assert ACTIVE == ({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags)
+    needed = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+    assert ACTIVE is needed.issubset(kernels.cpu_flags())
 
 
 def session(path, library: bool, threads: int = 2) -> ort.InferenceSession:

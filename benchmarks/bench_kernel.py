@@ -1,0 +1,185 @@
+"""The project's MatMulNBits kernel (builder_plugin/kernels) against onnxruntime's own, alone, on the decoder's
+full-size shapes: a few rows (decode steps, several users, speculative tokens) against the memory-read bound, and many
+rows (a prompt) in GFLOP/s.
+
+    python benchmarks/bench_kernel.py [--layers 16] [--block-size 32] [--rows 1,2,4,8,512] [--rounds 2]
+    python benchmarks/bench_kernel.py --from-json benchmarks/results/kernel.json   # redo the report
+
+The graph of bench_matmulnbits.py (`--layers` layers of qkv, o, gate_up and down MatMulNBits, 4 bits, random weights,
+every node its own) with any number of input rows. Each (kernel, rows) setting loads it in a fresh process with the
+run time's session settings (the default threads, no spinning), onnxruntime's kernel or, registered on the session,
+the library's, and times `--steps` runs, with numpy read probes in the same process right before and after.
+Reported: run time, the stored bytes per second and their share of the read bound (the best probe beside the run),
+GFLOP/s (2 x rows x K x N per node), and the anonymous memory the session holds after load (onnxruntime's kernel
+keeps a prepacked copy of the weights; the library reads them where the session loaded them).
+Results: benchmarks/results/kernel.json and the "MatMulNBits kernel of the library" section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_matmulnbits import layer_shapes, write_graph  # noqa: E402
+from common import (  # noqa: E402
+    command_line,
+    fmt,
+    git_state,
+    machine_info,
+    machine_markdown,
+    markdown_table,
+    publish,
+    read_probe_gb_s,
+    rss_split,
+)
+
+from builder_plugin import kernels  # noqa: E402
+from builder_plugin.runtime.threads import NO_SPINNING, SPINNING_KEY, default_threads  # noqa: E402
+from builder_plugin.testing.make_checkpoint import PRESETS  # noqa: E402
+
+HEADING = "## MatMulNBits kernel of the library"
+KERNELS = ("onnxruntime", "library")
+
+
+def measure(path: Path, kernel: str, rows: int, threads: int, steps: int) -> dict[str, Any]:
+    """In this process: load `path` with `kernel`, time `steps` runs of `rows` input rows; read probes around them."""
+    import onnxruntime as ort
+
+    before = rss_split().get("RssAnon", 0)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    options.add_session_config_entry(SPINNING_KEY, NO_SPINNING)
+    if kernel == "library":
+        options.register_custom_ops_library(str(kernels.library_path()))
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    gc.collect()
+    held = rss_split().get("RssAnon", 0) - before
+    rng = np.random.default_rng(0)
+    feeds = {i.name: rng.standard_normal([rows, i.shape[1]]).astype(np.float32) for i in session.get_inputs()}
+    session.run(None, feeds)
+    probes = [read_probe_gb_s()]
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        session.run(None, feeds)
+        times.append(time.perf_counter() - start)
+    probes.append(read_probe_gb_s())
+    return {"session_anon_bytes": held, "step_s": times, "probes_gb_s": probes}
+
+
+def _child(path: Path, kernel: str, rows: int, threads: int, steps: int) -> dict[str, Any]:
+    job = {"path": str(path), "kernel": kernel, "rows": rows, "threads": threads, "steps": steps}
+    done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if done.returncode:
+        raise SystemExit(f"worker failed: {done.stderr.strip().splitlines()[-1:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _key(kernel: str, rows: int) -> str:
+    return f"{kernel}, {rows} row{'s' * (rows != 1)}"
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if kernels.level() == "none":
+        raise SystemExit("the library is not active on this machine (not built, or no AVX-512 VNNI)")
+    threads = args.threads or default_threads()
+    todo = [(kernel, rows) for rows in args.rows for kernel in KERNELS]
+    runs: dict[str, list[dict[str, Any]]] = {_key(*s): [] for s in todo}
+    with tempfile.TemporaryDirectory(prefix="kernel-", dir=args.work) as work:
+        path = Path(work) / "graph.onnx"
+        stored = write_graph(path, args.layers, args.block_size, 4, rows="rows")
+        for round_index in range(args.rounds):
+            for kernel, rows in todo if round_index % 2 == 0 else todo[::-1]:
+                steps = args.steps if rows <= 64 else max(2, args.steps // 4)
+                found = _child(path, kernel, rows, threads, steps)
+                runs[_key(kernel, rows)].append(found)
+                print(f"{_key(kernel, rows)}: {min(found['step_s']) * 1e3:.1f} ms, "
+                      f"{stored / min(found['step_s']) / 1e9:.1f} GB/s (probes {found['probes_gb_s']})", flush=True)
+    shapes = layer_shapes(PRESETS["full"]["text"])
+    return {"layers": args.layers, "block_size": args.block_size, "threads": threads, "rows": args.rows,
+            "rounds": args.rounds, "steps": args.steps, "shapes": shapes, "stored_bytes": stored,
+            "flops_per_row": 2 * args.layers * sum(k * n for _, k, n in shapes), "library_level": kernels.level(),
+            "runs": runs}
+
+
+def report(results: dict[str, Any]) -> str:
+    rows_out = []
+    stored = results["stored_bytes"]
+    for rows in results["rows"]:
+        for kernel in KERNELS:
+            found = results["runs"][_key(kernel, rows)]
+            steps = [s for run in found for s in run["step_s"]]
+            shares = [stored / statistics.median(run["step_s"]) / max(run["probes_gb_s"]) / 1e9 for run in found]
+            probes = [p for run in found for p in run["probes_gb_s"]]
+            held = max(run["session_anon_bytes"] for run in found)
+            flops = results["flops_per_row"] * rows
+            rows_out.append([kernel, rows, f"{fmt(min(steps) * 1e3, 1)} / {fmt(statistics.median(steps) * 1e3, 1)}",
+                             f"{fmt(stored / min(steps) / 1e9, 1)} / {fmt(stored / statistics.median(steps) / 1e9, 1)}",
+                             f"{fmt(statistics.median(probes), 1)} ({fmt(min(probes), 1)}-{fmt(max(probes), 1)})",
+                             f"{fmt(100 * statistics.median(shares), 0)} %",
+                             f"{fmt(flops / min(steps) / 1e9, 0)} / {fmt(flops / statistics.median(steps) / 1e9, 0)}",
+                             f"{fmt(held / 1e9, 2)} ({fmt(held / stored, 2)}x)"])
+    shapes = ", ".join(f"{name} {k}x{n}" for name, k, n in results["shapes"])
+    return "\n".join([
+        *([results["note"], ""] if results.get("note") else []),
+        f"`{results['command']}` at {results['git']['commit'][:10]}: {results['layers']} layers of MatMulNBits "
+        f"({shapes}; 4 bits, block {results['block_size']}, accuracy_level 4, random weights, every node its own), "
+        f"{results['threads']} threads, the library at level `{results['library_level']}`; each setting in a fresh "
+        f"process, {results['rounds']} rounds alternating. Share = stored bytes / median run / the best read probe "
+        "beside it; held = the session's anonymous memory after load.", "",
+        markdown_table(["kernel", "rows", "run ms best / median", "stored GB/s best / median",
+                        "read probes GB/s median (range)", "share of the read bound (median)",
+                        "GFLOP/s best / median", "held GB"], rows_out), "",
+        machine_markdown(results["machine"]), ""])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=32)
+    parser.add_argument("--rows", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2, 4, 8, 512])
+    parser.add_argument("--threads", type=int, default=None, help="default: the run time's")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--work", default=None, help="folder for the graph (default: the system's temporary one)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kernel.json")
+    parser.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"), help="'' leaves the docs alone")
+    parser.add_argument("--note", default=None, help="a note for the report (kept in --out)")
+    parser.add_argument("--from-json", type=Path, help="measure nothing: publish an earlier --out file")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        job = json.loads(args.worker)
+        print(json.dumps(measure(Path(job["path"]), job["kernel"], job["rows"], job["threads"], job["steps"])))
+        return 0
+    if args.from_json:
+        results = json.loads(args.from_json.read_text(encoding="utf-8"))
+        if args.note is not None:
+            results["note"] = args.note
+        publish(results, args.out, args.doc, HEADING, report(results))
+        return 0
+    results = run(args)
+    results.update(command=command_line("bench_kernel.py", argv), git=git_state(), machine=machine_info(),
+                   note=args.note or "")
+    publish(results, args.out, args.doc, HEADING, report(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -21,6 +21,15 @@ from tests.kernels.matmul_nbits_graphs import (
 LIBRARY = kernels.library_path()
 ACTIVE = kernels.level() != "none"
 TRACE = "BUILDER_PLUGIN_OPS_TRACE"
+# The int8 paths this CPU runs (BUILDER_PLUGIN_OPS_PATH forces one for every row count) and the trace naming each.
+PATHS = {"avx512": "int8 AVX-512 path", "amx": "int8 AMX path"}
+INT8_PATHS = [path for path in PATHS if path == "avx512" or kernels.level() == "amx"]
+
+
+@pytest.fixture(params=INT8_PATHS)
+def int8_path(request, monkeypatch):
+    monkeypatch.setenv("BUILDER_PLUGIN_OPS_PATH", request.param)
+    return request.param
 
 
 def test_library_is_built_and_matches_the_cpu():
@@ -55,7 +64,7 @@ CASES = [(bits, block, zp) for bits in (4, 8) for block in BLOCK_SIZES for zp in
 
 
 @pytest.mark.parametrize(("bits", "block", "zero_points"), CASES)
-def test_integer_sums_are_exact(tmp_path, monkeypatch, capfd, bits, block, zero_points):
+def test_integer_sums_are_exact(tmp_path, monkeypatch, capfd, int8_path, bits, block, zero_points):
     """Activations on their int8 grid and scales powers of two: every product and sum is exact in float32, so the
     kernel's Y must equal the exact integer result bit for bit."""
     rng = np.random.default_rng(bits * 1000 + block + zero_points)
@@ -68,7 +77,7 @@ def test_integer_sums_are_exact(tmp_path, monkeypatch, capfd, bits, block, zero_
     a = (codes * np.float32(2.0) ** rng.integers(-6, 0, size=(m, 1))).astype(np.float32)
     path = write_graph(tmp_path / "g.onnx", b)
     monkeypatch.setenv(TRACE, "1")
-    assert traced_path(capfd, path) == ("int8 AVX-512 path" if ACTIVE else "")
+    assert traced_path(capfd, path) == (PATHS[int8_path] if ACTIVE else "")
     y = run(path, a, library=True)
     expected = int8_reference(b, a)
     if ACTIVE:
@@ -78,8 +87,8 @@ def test_integer_sums_are_exact(tmp_path, monkeypatch, capfd, bits, block, zero_
 
 
 @pytest.mark.parametrize(("bits", "block", "zero_points"), CASES)
-@pytest.mark.parametrize("rows", [1, 3, 8, 70])
-def test_random_weights_within_bounds(tmp_path, bits, block, zero_points, rows):
+@pytest.mark.parametrize("rows", [1, 3, 8, 17, 70])
+def test_random_weights_within_bounds(tmp_path, int8_path, bits, block, zero_points, rows):
     rng = np.random.default_rng(rows * 7 + bits * 100 + block + zero_points)
     k, n = (4 * block + 40 if block < 256 else 600), 45
     b = random_b(rng, k, n, bits, block, zero_points)
@@ -99,7 +108,7 @@ def test_random_weights_within_bounds(tmp_path, bits, block, zero_points, rows):
         np.testing.assert_array_equal(y, builtin)
 
 
-def test_full_size_shape_against_onnxruntime(tmp_path):
+def test_full_size_shape_against_onnxruntime(tmp_path, int8_path):
     """One decoder shape of the full-size model (gate_up's K with down's N), one row and four."""
     rng = np.random.default_rng(3)
     b = random_b(rng, 8192, 3072, 4, 32, zero_points=False)

@@ -7,6 +7,7 @@
 // block's scales when it is converted to float; the zero point enters the integer sum through the lane's sum of
 // activations (sum (code - zp) a = sum code a - zp sum a). Columns are split over onnxruntime's intra-op threads.
 #include "matmul_nbits.h"
+#include "quantize.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -24,11 +25,6 @@ constexpr int kChunk = 64;    // bytes of a column read at once
 constexpr int kLanes = 16;    // 32-bit lanes of a chunk
 constexpr int kRowGroup = 8;  // rows sharing each chunk of B in the inner loop
 
-void* aligned(size_t bytes) { return ::operator new(bytes, std::align_val_t(64)); }
-struct AlignedFree {
-  void operator()(void* p) const { ::operator delete(p, std::align_val_t(64)); }
-};
-using Buffer = std::unique_ptr<void, AlignedFree>;
 
 // How the chunks of one column map to blocks.
 struct Layout {
@@ -79,54 +75,69 @@ struct Activations {
   }
 };
 
-BP_AVX512 void quantize_rows(const Layout& lay, const float* a, int64_t k, int64_t rows, bool zero_points,
-                             Activations& act) {
-  act.rows = rows;
-  act.chunks = lay.chunks;
-  act.planes = lay.bits == 4 ? 2 : 1;
-  const int64_t padded = lay.chunks * lay.chunk_elements();
-  act.q.reset(aligned(static_cast<size_t>(rows * padded)));
-  act.scale.reset(aligned(static_cast<size_t>(rows * lay.chunks * kLanes * 4)));
-  act.offset.reset(aligned(static_cast<size_t>(rows * lay.chunks * kLanes * 4)));
-  auto* q_all = static_cast<int8_t*>(act.q.get());
-  auto* scale_all = static_cast<float*>(act.scale.get());
-  auto* offset_all = static_cast<int32_t*>(act.offset.get());
-  const int default_zp = 1 << (lay.bits - 1);
-  alignas(64) float block_scale_store[1];
-  (void)block_scale_store;
-  // one row's quantized values in K order, then rearranged into the operands
-  Buffer plain_buffer(aligned(static_cast<size_t>(padded)));
-  auto* plain = static_cast<int8_t*>(plain_buffer.get());
-  Buffer scales_buffer(aligned(static_cast<size_t>(lay.blocks * 4 + 64)));
-  auto* block_scales = static_cast<float*>(scales_buffer.get());
+}  // namespace
+
+BP_AVX512 bool quantize_rows(const float* a, int64_t k, int64_t block, int64_t padded, int64_t rows,
+                             QuantizedRows& out) {
+  out.rows = rows;
+  out.padded = padded;
+  out.blocks = (k + block - 1) / block;
+  out.codes = aligned_buffer(static_cast<size_t>(rows * padded));
+  out.scales = aligned_buffer(static_cast<size_t>(rows * out.blocks * 4 + 64));
+  auto* codes = static_cast<int8_t*>(out.codes.get());
+  auto* scales = static_cast<float*>(out.scales.get());
   const __m512 abs_mask = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
   for (int64_t row = 0; row < rows; ++row) {
     const float* x = a + row * k;
-    std::memset(plain, 0, static_cast<size_t>(padded));
-    for (int64_t b = 0; b < lay.blocks; ++b) {
-      const int64_t start = b * lay.block, end = std::min<int64_t>(k, start + lay.block);
+    int8_t* q = codes + row * padded;
+    std::memset(q, 0, static_cast<size_t>(padded));
+    for (int64_t b = 0; b < out.blocks; ++b) {
+      const int64_t start = b * block, end = std::min<int64_t>(k, start + block);
       __m512 amax = _mm512_setzero_ps();
       for (int64_t i = start; i < end; i += 16) {
         const __mmask16 m = end - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (end - i)) - 1);
         amax = _mm512_max_ps(amax, _mm512_and_ps(_mm512_maskz_loadu_ps(m, x + i), abs_mask));
       }
       const float top = _mm512_reduce_max_ps(amax);
-      const float inverse = top > 0.0f ? 127.0f / top : 0.0f;
-      block_scales[b] = top / 127.0f;
-      const __m512 inv = _mm512_set1_ps(inverse);
-      const __m512 lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+      scales[row * out.blocks + b] = top / 127.0f;
+      const __m512 inv = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
       for (int64_t i = start; i < end; i += 16) {
         const __mmask16 m = end - i >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (end - i)) - 1);
         const __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), inv), lo), hi);
-        _mm_mask_storeu_epi8(plain + i, m, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));  // nearest, ties to even
+        _mm_mask_storeu_epi8(q + i, m, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(v)));  // nearest, ties to even
       }
     }
-    const __m512i ones = _mm512_set1_epi8(1);
+  }
+  return true;
+}
+
+namespace {
+
+// The chunk operands of the VNNI tiles from the quantized rows.
+BP_AVX512 void arrange_rows(const Layout& lay, const QuantizedRows& plain, bool zero_points, Activations& act) {
+  const int64_t rows = plain.rows;
+  act.rows = rows;
+  act.chunks = lay.chunks;
+  act.planes = lay.bits == 4 ? 2 : 1;
+  act.q = aligned_buffer(static_cast<size_t>(rows * lay.chunks * act.planes * kChunk));
+  act.scale = aligned_buffer(static_cast<size_t>(rows * lay.chunks * kLanes * 4));
+  act.offset = aligned_buffer(static_cast<size_t>(rows * lay.chunks * kLanes * 4));
+  auto* q_all = static_cast<int8_t*>(act.q.get());
+  auto* scale_all = static_cast<float*>(act.scale.get());
+  auto* offset_all = static_cast<int32_t*>(act.offset.get());
+  const int default_zp = 1 << (lay.bits - 1);
+  const __m512i ones = _mm512_set1_epi8(1);
+  const __m512i factor = _mm512_set1_epi32(zero_points ? -1 : -default_zp);
+  for (int64_t row = 0; row < rows; ++row) {
+    const int8_t* plain_row = plain.row(row);
+    const float* block_scales = plain.row_scales(row);
     for (int64_t c = 0; c < lay.chunks; ++c) {
       int8_t* dst = q_all + (row * lay.chunks + c) * act.planes * kChunk;
       __m512i sums;
       if (lay.bits == 4) {  // 128 elements: the low bytes of their 16-bit pairs are the even ones
-        const __m512i first = _mm512_loadu_si512(plain + c * 128), second = _mm512_loadu_si512(plain + c * 128 + 64);
+        const __m512i first = _mm512_loadu_si512(plain_row + c * 128);
+        const __m512i second = _mm512_loadu_si512(plain_row + c * 128 + 64);
         const __m512i even = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(first)),
                                                 _mm512_cvtepi16_epi8(second), 1);
         const __m512i odd = _mm512_inserti64x4(
@@ -136,15 +147,14 @@ BP_AVX512 void quantize_rows(const Layout& lay, const float* a, int64_t k, int64
         _mm512_store_si512(dst + kChunk, odd);
         sums = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, even), ones, odd);
       } else {
-        const __m512i v = _mm512_loadu_si512(plain + c * 64);
+        const __m512i v = _mm512_loadu_si512(plain_row + c * 64);
         _mm512_store_si512(dst, v);
         sums = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, v);
       }
-      const __m512i factor = _mm512_set1_epi32(zero_points ? -1 : -default_zp);
       _mm512_store_si512(offset_all + (row * lay.chunks + c) * kLanes, _mm512_mullo_epi32(sums, factor));
       float* lane_scale = scale_all + (row * lay.chunks + c) * kLanes;
       for (int lane = 0; lane < kLanes; ++lane) {
-        const int64_t b = (c * kChunk + lane * 4) / lay.block_bytes;
+        const int64_t b = (c * kChunk + lane * 4) >> lay.block_shift;
         lane_scale[lane] = b < lay.blocks ? block_scales[b] : 0.0f;
       }
     }
@@ -299,8 +309,10 @@ void run_task(void* data, size_t index) {
 bool matmul_int8_avx512(const Weights& w, const float* a, int64_t m, float* y, ParallelFor run, void* context) {
   if (!cpu().avx512_vnni || (w.bits != 4 && w.bits != 8) || w.block < 16 || w.g_idx != nullptr) return false;
   const Layout lay(w);
+  QuantizedRows plain;
+  quantize_rows(a, w.k, w.block, lay.chunks * lay.chunk_elements(), m, plain);
   Activations act;
-  quantize_rows(lay, a, w.k, m, w.zero_points != nullptr, act);
+  arrange_rows(lay, plain, w.zero_points != nullptr, act);
   Job job{&lay, &w, &act, y, m, 0, 0, 0};
   // Few rows: tiles of columns only (each thread streams its own columns once). Many rows: blocks of rows whose
   // quantized activations stay in L2 while a tile of columns is read once per block.
@@ -317,6 +329,7 @@ bool matmul_int8_avx512(const Weights& w, const float* a, int64_t m, float* y, P
 #else
 
 namespace bp {
+bool quantize_rows(const float*, int64_t, int64_t, int64_t, int64_t, QuantizedRows&) { return false; }
 bool matmul_int8_avx512(const Weights&, const float*, int64_t, float*, ParallelFor, void*) { return false; }
 }  // namespace bp
 

@@ -37,6 +37,10 @@ void matmul_reference(const Weights& w, const float* a, int64_t m, float* y, Par
 // lacks AVX-512 VNNI (nothing is written then).
 bool matmul_int8_avx512(const Weights& w, const float* a, int64_t m, float* y, ParallelFor run, void* context);
 
+// The same numbers as matmul_int8_avx512 (the same activation quantization and exact block sums), the block products
+// on AMX tiles (TDPBUSD: 16 columns x up to 16 rows per instruction). False without AMX (nothing is written then).
+bool matmul_int8_amx(const Weights& w, const float* a, int64_t m, float* y, ParallelFor run, void* context);
+
 struct Cpu {
   bool avx512_vnni = false;  // AVX-512 F/BW/VL/DQ and VNNI, with the OS saving their registers
   bool amx_int8 = false;     // AMX tiles and int8, the OS saving them and granting this process their use

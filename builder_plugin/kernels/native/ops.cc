@@ -2,6 +2,7 @@
 // registers a CPU kernel for com.microsoft MatMulNBits, which onnxruntime then prefers to its own for every such node
 // of the session, so a package's graphs need no change. On a CPU without AVX-512 VNNI it registers nothing (one line
 // on stderr says so) and onnxruntime's own kernel runs.
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -27,12 +28,24 @@ bool trace() {
   return v != nullptr && *v && std::strcmp(v, "0") != 0;
 }
 
+// Rows from which the AMX tiles beat AVX-512 VNNI (bench_kernel.py); BUILDER_PLUGIN_OPS_PATH=avx512 or amx forces one
+// path for every row count (benchmarks, tests).
+constexpr int64_t kAmxFromRows = 2;
+
 struct Kernel {
   ort::Api api;
   int64_t k = 0, n = 0, bits = 4, block = 32, accuracy_level = 0;
   std::string name;
   bool int8_path = false;
+  int64_t amx_from_rows = kAmxFromRows;  // INT64_MAX: never
 };
+
+int64_t amx_from_rows() {
+  const char* forced = std::getenv("BUILDER_PLUGIN_OPS_PATH");
+  if (forced != nullptr && std::strcmp(forced, "avx512") == 0) return INT64_MAX;
+  if (forced != nullptr && std::strcmp(forced, "amx") == 0) return 1;
+  return kAmxFromRows;
+}
 
 int64_t attribute(const ort::Api& api, const OrtKernelInfo* info, const char* name, int64_t fallback) {
   int64_t value = fallback;
@@ -68,11 +81,14 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* table, const OrtKerne
     return api.CreateStatus(ORT_INVALID_ARGUMENT, message.c_str());
   }
   kernel->int8_path = kernel->accuracy_level == 4 && (kernel->bits == 4 || kernel->bits == 8) && bp::cpu().avx512_vnni;
+  kernel->amx_from_rows = bp::cpu().amx_int8 ? amx_from_rows() : INT64_MAX;
   if (trace())
     std::fprintf(stderr, "%s: MatMulNBits %s K=%lld N=%lld bits=%lld block=%lld accuracy_level=%lld: %s path\n",
                  kLibrary, kernel->name.c_str(), static_cast<long long>(kernel->k), static_cast<long long>(kernel->n),
                  static_cast<long long>(kernel->bits), static_cast<long long>(kernel->block),
-                 static_cast<long long>(kernel->accuracy_level), kernel->int8_path ? "int8 AVX-512" : "float");
+                 static_cast<long long>(kernel->accuracy_level), !kernel->int8_path ? "float"
+                 : kernel->amx_from_rows == 1 ? "int8 AMX"
+                 : kernel->amx_from_rows == INT64_MAX ? "int8 AVX-512" : "int8 AVX-512 (1 row) / AMX");
   *out = kernel;
   return nullptr;
 }
@@ -149,8 +165,12 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* context) {
     return api.CreateStatus(ORT_INVALID_ARGUMENT, ("MatMulNBits " + kernel.name + ": missing input").c_str());
   Context ctx{&api, context};
   auto* out = static_cast<float*>(y);
-  if (!(kernel.int8_path && w.g_idx == nullptr && bp::matmul_int8_avx512(w, a, m, out, parallel_for, &ctx)))
-    bp::matmul_reference(w, a, m, out, parallel_for, &ctx);
+  bool done = false;
+  if (kernel.int8_path && w.g_idx == nullptr) {
+    done = m >= kernel.amx_from_rows && bp::matmul_int8_amx(w, a, m, out, parallel_for, &ctx);
+    done = done || bp::matmul_int8_avx512(w, a, m, out, parallel_for, &ctx);
+  }
+  if (!done) bp::matmul_reference(w, a, m, out, parallel_for, &ctx);
   return nullptr;
 }
 

@@ -26,7 +26,6 @@ namespace {
 
 constexpr int kGroup = 16;      // columns per tile (tile rows), and activation rows per tile (tile columns)
 constexpr int kChunk = 64;      // stored bytes unpacked at once
-constexpr int kBlocksAtOnce = 4;  // blocks summed in tiles 0-3 before their sums are scaled
 
 struct TileConfig {
   uint8_t palette;
@@ -87,29 +86,25 @@ BP_AMX void make_interleave(Plan& p) {
   }
 }
 
-// Columns [col, col + 16) of B as one code per byte, [16][padded] (rows past N zero).
-BP_AMX void unpack_columns(const Plan& p, int64_t col, uint8_t* out) {
+// Chunk c (64 stored bytes) of columns [col, col + 16) of B as one code per byte, into out[16][padded] (columns past
+// N read as zeros).
+BP_AMX void unpack_chunk(const Plan& p, int64_t col, int64_t c, uint8_t* out) {
   const Weights& w = *p.w;
   const __m512i low = _mm512_set1_epi8(0x0F);
   const __m512i first = _mm512_load_si512(p.interleave[0]), second = _mm512_load_si512(p.interleave[1]);
   const int64_t rest = p.column_bytes % kChunk;
-  const __mmask64 tail = rest ? (1ull << rest) - 1 : ~0ull;
+  const __mmask64 mask = c + 1 == p.chunks && rest ? (1ull << rest) - 1 : ~0ull;
+  const int64_t at = c * kChunk * 8 / p.bits;
   for (int r = 0; r < kGroup; ++r) {
-    uint8_t* dst = out + r * p.padded;
-    if (col + r >= w.n) {
-      std::memset(dst, 0, static_cast<size_t>(p.padded));
-      continue;
-    }
-    const uint8_t* src = w.packed + (col + r) * p.column_bytes;
-    for (int64_t c = 0; c < p.chunks; ++c) {
-      const __m512i v = _mm512_maskz_loadu_epi8(c + 1 == p.chunks ? tail : ~0ull, src + c * kChunk);
-      if (p.bits == 4) {
-        const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
-        _mm512_store_si512(dst + c * 128, _mm512_permutex2var_epi64(lo, first, hi));
-        _mm512_store_si512(dst + c * 128 + 64, _mm512_permutex2var_epi64(lo, second, hi));
-      } else {
-        _mm512_store_si512(dst + c * kChunk, v);
-      }
+    uint8_t* dst = out + r * p.padded + at;
+    const __m512i v = col + r < w.n ? _mm512_maskz_loadu_epi8(mask, w.packed + (col + r) * p.column_bytes + c * kChunk)
+                                    : _mm512_setzero_si512();
+    if (p.bits == 4) {
+      const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      _mm512_store_si512(dst, _mm512_permutex2var_epi64(lo, first, hi));
+      _mm512_store_si512(dst + 64, _mm512_permutex2var_epi64(lo, second, hi));
+    } else {
+      _mm512_store_si512(dst, v);
     }
   }
 }
@@ -163,9 +158,9 @@ BP_AMX void arrange(const Plan& p, const QuantizedRows& plain, TileActivations& 
     for (int64_t word = 0; word < words; ++word) dst[word * rows_in + lane] = src[word];
     const float* row_scales = plain.row_scales(row);
     for (int64_t b = 0; b < p.blocks; ++b) {
+      scales[(group * p.blocks + b) * kGroup + lane] = row_scales[b];
       int32_t total = 0;
       for (int64_t i = b * p.block; i < (b + 1) * p.block; ++i) total += q[i];
-      scales[(group * p.blocks + b) * kGroup + lane] = row_scales[b];
       sums[(group * p.blocks + b) * kGroup + lane] = static_cast<float>(total);
     }
   }
@@ -186,16 +181,96 @@ BP_AMX inline int zero_point(const Weights& w, const Plan& p, int64_t col, int64
 
 // The sums of block b in tile SUM, through the code and activation tiles CODES and ACTS (tiles are named by literal
 // numbers: gcc's intrinsics paste them into the instruction).
-#define BP_BLOCK_PRODUCTS(SUM, CODES, ACTS, b)                                  \
+#define BP_BLOCK_PRODUCTS(OP, SUM, CODES, ACTS, b)                              \
   do {                                                                          \
     _tile_zero(SUM);                                                            \
     for (int s = 0; s < p.steps_per_block; ++s) {                               \
       const int64_t step = (b) * p.steps_per_block + s;                         \
       _tile_loadd(CODES, codes + step * p.depth, p.padded);                     \
       _tile_loadd(ACTS, operands + step * p.depth * rows, rows * 4);            \
-      _tile_dpbusd(SUM, CODES, ACTS);                                           \
+      OP(SUM, CODES, ACTS);                                                     \
     }                                                                           \
   } while (0)
+
+// Per column group (16 columns), what the block epilogues read with one lane per column: the weights' scales and
+// zero points, [blocks][16].
+struct ColumnScales {
+  std::vector<float> scales, zero_points;
+};
+
+BP_AMX void column_scales(const Plan& p, int64_t col, ColumnScales& out) {
+  const Weights& w = *p.w;
+  out.scales.resize(static_cast<size_t>(p.blocks * kGroup));
+  out.zero_points.resize(static_cast<size_t>(p.blocks * kGroup));
+  for (int r = 0; r < kGroup; ++r) {
+    const int64_t c = std::min(col + r, w.n - 1);  // columns past N (the last group) repeat the last one
+    const float* scales = w.scales + c * p.blocks;
+    for (int64_t b = 0; b < p.blocks; ++b) out.scales[b * kGroup + r] = scales[b];
+    for (int64_t b = 0; b < p.blocks; ++b) out.zero_points[b * kGroup + r] = static_cast<float>(zero_point(w, p, c, b));
+  }
+}
+
+// The sums of `count` blocks from b, [16 columns][16 lanes: rows] int32 each, into the columns' accumulators (lane =
+// activation row): sum code x a - zp x sum a (exact), times the row's and the column's scales.
+BP_AMX inline void scale_blocks(const int32_t (*sums)[kGroup * kGroup], int count, int64_t b, const ColumnScales& cs,
+                                const float* group_scales, const float* group_sums, __m512* acc) {
+  for (int i = 0; i < count; ++i) {
+    const __m512 sa = _mm512_load_ps(group_scales + (b + i) * kGroup);
+    const __m512 xs = _mm512_load_ps(group_sums + (b + i) * kGroup);
+    const float* sw = cs.scales.data() + (b + i) * kGroup;
+    const float* zp = cs.zero_points.data() + (b + i) * kGroup;
+#pragma GCC unroll 16
+    for (int r = 0; r < kGroup; ++r) {
+      const __m512 total = _mm512_fnmadd_ps(_mm512_set1_ps(zp[r]), xs,
+                                            _mm512_cvtepi32_ps(_mm512_load_si512(sums[i] + r * kGroup)));
+      acc[r] = _mm512_fmadd_ps(total, _mm512_mul_ps(sa, _mm512_set1_ps(sw[r])), acc[r]);
+    }
+  }
+}
+
+// One group of `rows` activation rows x the task's 16 columns over all of K. Blocks go in pairs on sum tiles 0-1 and
+// 2-3 in turn, so that one pair's epilogue runs while the tiles compute the next pair.
+BP_AMX void group_products(const Plan& p, uint8_t* codes, int64_t& unpacked, const int8_t* operands, int rows,
+                           const ColumnScales& cs, const float* group_scales, const float* group_sums, float* y,
+                           int64_t col, int valid) {
+  const Weights& w = *p.w;
+  const int64_t chunk_elements = kChunk * 8 / p.bits;
+  alignas(64) int32_t sums[2][2][kGroup * kGroup];
+  __m512 acc[kGroup];
+#pragma GCC unroll 16
+  for (int r = 0; r < kGroup; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t pending = -1;  // the first block of the pair whose sums wait in sums[its pair's parity]
+  for (int64_t b = 0; b < p.blocks; b += 2) {
+    const int count = b + 1 < p.blocks ? 2 : 1;
+    const int parity = static_cast<int>((b / 2) % 2);
+    // the first group of rows unpacks the codes as its blocks come (still in L1 when the tiles load them)
+    for (const int64_t needed = (b + count) * p.block; unpacked < needed; unpacked += chunk_elements)
+      unpack_chunk(p, col, unpacked / chunk_elements, codes);
+    if (parity == 0) {
+      BP_BLOCK_PRODUCTS(_tile_dpbusd, 0, 4, 6, b);
+      if (count > 1) BP_BLOCK_PRODUCTS(_tile_dpbusd, 1, 5, 7, b + 1);
+    } else {
+      BP_BLOCK_PRODUCTS(_tile_dpbusd, 2, 4, 6, b);
+      if (count > 1) BP_BLOCK_PRODUCTS(_tile_dpbusd, 3, 5, 7, b + 1);
+    }
+    if (pending >= 0) scale_blocks(sums[1 - parity], 2, pending, cs, group_scales, group_sums, acc);
+    if (parity == 0) {
+      _tile_stored(0, sums[0][0], kGroup * 4);
+      if (count > 1) _tile_stored(1, sums[0][1], kGroup * 4);
+    } else {
+      _tile_stored(2, sums[1][0], kGroup * 4);
+      if (count > 1) _tile_stored(3, sums[1][1], kGroup * 4);
+    }
+    pending = b;
+  }
+  scale_blocks(sums[(pending / 2) % 2], static_cast<int>(std::min<int64_t>(2, p.blocks - pending)), pending, cs,
+               group_scales, group_sums, acc);
+  alignas(64) float out[kGroup][kGroup];
+#pragma GCC unroll 16
+  for (int r = 0; r < kGroup; ++r) _mm512_store_ps(out[r], acc[r]);
+  for (int m = 0; m < rows; ++m)
+    for (int r = 0; r < valid; ++r) y[m * w.n + col + r] = out[r][m] + (w.bias ? w.bias[col + r] : 0.0f);
+}
 
 BP_AMX void run_task(void* data, size_t index) {
   const Job& job = *static_cast<const Job*>(data);
@@ -205,12 +280,12 @@ BP_AMX void run_task(void* data, size_t index) {
   const int64_t col = static_cast<int64_t>(index) % job.column_groups * kGroup;
   const int64_t first_group = static_cast<int64_t>(index) / job.column_groups * job.row_groups_per_task;
   const int64_t last_group = std::min(act.groups, first_group + job.row_groups_per_task);
-  thread_local std::vector<uint8_t, std::allocator<uint8_t>> storage;
+  thread_local std::vector<uint8_t> storage;
+  thread_local ColumnScales cs;
   storage.resize(static_cast<size_t>(kGroup * p.padded + 64));
   auto* codes = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(storage.data()) + 63) & ~uintptr_t{63});
-  unpack_columns(p, col, codes);
-  alignas(64) int32_t sums[kBlocksAtOnce][kGroup][kGroup];
-  alignas(64) float out[kGroup][kGroup];
+  int64_t unpacked = 0;  // elements of K unpacked so far
+  column_scales(p, col, cs);
   const int valid = static_cast<int>(std::min<int64_t>(kGroup, w.n - col));
   int loaded = -1;
   for (int64_t group = first_group; group < last_group; ++group) {
@@ -220,42 +295,10 @@ BP_AMX void run_task(void* data, size_t index) {
       loaded = rows;
     }
     const int8_t* operands = act.operand(group, 0, p.depth);
-    const float* group_scales = static_cast<const float*>(act.scales.get()) + group * p.blocks * kGroup;
-    const float* group_sums = static_cast<const float*>(act.sums.get()) + group * p.blocks * kGroup;
-    __m512 acc[kGroup];
-#pragma GCC unroll 16
-    for (int r = 0; r < kGroup; ++r) acc[r] = _mm512_setzero_ps();
-    for (int64_t b0 = 0; b0 < p.blocks; b0 += kBlocksAtOnce) {
-      const int count = static_cast<int>(std::min<int64_t>(kBlocksAtOnce, p.blocks - b0));
-      BP_BLOCK_PRODUCTS(0, 4, 6, b0);
-      if (count > 1) BP_BLOCK_PRODUCTS(1, 5, 7, b0 + 1);
-      if (count > 2) BP_BLOCK_PRODUCTS(2, 4, 6, b0 + 2);
-      if (count > 3) BP_BLOCK_PRODUCTS(3, 5, 7, b0 + 3);
-      _tile_stored(0, sums[0], kGroup * 4);
-      if (count > 1) _tile_stored(1, sums[1], kGroup * 4);
-      if (count > 2) _tile_stored(2, sums[2], kGroup * 4);
-      if (count > 3) _tile_stored(3, sums[3], kGroup * 4);
-      for (int i = 0; i < count; ++i) {
-        const int64_t b = b0 + i;
-        const __m512 sa = _mm512_load_ps(group_scales + b * kGroup);
-        const __m512 xs = _mm512_load_ps(group_sums + b * kGroup);
-#pragma GCC unroll 16
-        for (int r = 0; r < kGroup; ++r) {  // columns past N (the last group) read the last one's scales
-          const int64_t c = std::min(col + r, w.n - 1);
-          const __m512 total = _mm512_cvtepi32_ps(_mm512_load_si512(sums[i][r]));
-          const __m512 centred = _mm512_fnmadd_ps(_mm512_set1_ps(static_cast<float>(zero_point(w, p, c, b))),
-                                                  xs, total);
-          const __m512 scale = _mm512_mul_ps(sa, _mm512_set1_ps(w.scales[c * p.blocks + b]));
-          acc[r] = _mm512_fmadd_ps(centred, scale, acc[r]);
-        }
-      }
-    }
-#pragma GCC unroll 16
-    for (int r = 0; r < kGroup; ++r) _mm512_store_ps(out[r], acc[r]);
-    for (int m = 0; m < rows; ++m) {
-      float* dst = job.y + (group * kGroup + m) * w.n + col;
-      for (int r = 0; r < valid; ++r) dst[r] = out[r][m] + (w.bias ? w.bias[col + r] : 0.0f);
-    }
+    const float* scales = static_cast<const float*>(act.scales.get()) + group * p.blocks * kGroup;
+    const float* sums = static_cast<const float*>(act.sums.get()) + group * p.blocks * kGroup;
+    float* y = job.y + group * kGroup * w.n;
+    group_products(p, codes, unpacked, operands, rows, cs, scales, sums, y, col, valid);
   }
   _tile_release();
 }

@@ -30,7 +30,7 @@ bool trace() {
 
 // Rows from which the AMX tiles beat AVX-512 VNNI (bench_kernel.py); BUILDER_PLUGIN_OPS_PATH=avx512 or amx forces one
 // path for every row count (benchmarks, tests).
-constexpr int64_t kAmxFromRows = 2;
+constexpr int64_t kAmxFromRows = 12;
 
 struct Kernel {
   ort::Api api;

@@ -248,6 +248,31 @@ __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOp
   return api.AddCustomOpDomain(options, domain);
 }
 
+// The declarations of ort_abi.h against the onnxruntime that `base` comes from (OrtGetApiBase of its library): the
+// API version served, and a status and a domain made and read back through their slots. "" when all hold.
+__attribute__((visibility("default"))) const char* BuilderPluginOpsCheckApi(const OrtApiBase* base) {
+  const OrtApi* table = base->GetApi(ort::kApiVersion);
+  if (table == nullptr) return "GetApi refused the API version";
+  ort::Api api{table};
+  OrtStatus* status = api.CreateStatus(ORT_INVALID_ARGUMENT, "probe");
+  const bool status_ok = std::strcmp(api.GetErrorMessage(status), "probe") == 0 &&
+                         api.GetErrorCode(status) == ORT_INVALID_ARGUMENT;
+  api.ReleaseStatus(status);
+  if (!status_ok) return "CreateStatus / GetErrorMessage / GetErrorCode disagree";
+  OrtCustomOpDomain* domain = nullptr;
+  if (OrtStatus* failed = api.CreateCustomOpDomain("builder_plugin.probe", &domain)) {
+    api.ReleaseStatus(failed);
+    return "CreateCustomOpDomain failed";
+  }
+  if (OrtStatus* failed = api.CustomOpDomain_Add(domain, &kMatMulNBits)) {
+    api.ReleaseStatus(failed);
+    api.ReleaseCustomOpDomain(domain);
+    return "CustomOpDomain_Add failed";
+  }
+  api.ReleaseCustomOpDomain(domain);
+  return "";
+}
+
 // What the library would do on this CPU, for the Python side and the tests: 0 registers nothing, 1 the AVX-512 VNNI
 // int8 path, 2 that and AMX tiles granted.
 __attribute__((visibility("default"))) int BuilderPluginOpsLevel() {

@@ -121,7 +121,13 @@ struct Api {
     return slot<Status (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**)>(table, 91)(
         context, index, dims, count, out);
   }
+  OrtErrorCode GetErrorCode(const OrtStatus* status) const {
+    return slot<OrtErrorCode (*)(const OrtStatus*)>(table, 1)(status);
+  }
   void ReleaseStatus(OrtStatus* status) const { slot<void (*)(OrtStatus*)>(table, 93)(status); }
+  void ReleaseCustomOpDomain(OrtCustomOpDomain* domain) const {
+    slot<void (*)(OrtCustomOpDomain*)>(table, 101)(domain);
+  }
   void ReleaseTensorTypeAndShapeInfo(OrtTensorTypeAndShapeInfo* info) const {
     slot<void (*)(OrtTensorTypeAndShapeInfo*)>(table, 99)(info);
   }

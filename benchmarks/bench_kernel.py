@@ -18,24 +18,20 @@ Results: benchmarks/results/kernel.json and the "MatMulNBits kernel of the libra
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_matmulnbits import layer_shapes, write_graph  # noqa: E402
+from bench_matmulnbits import layer_shapes, measure, write_graph  # noqa: E402
 from common import (  # noqa: E402
     command_line,
     fmt,
@@ -44,42 +40,14 @@ from common import (  # noqa: E402
     machine_markdown,
     markdown_table,
     publish,
-    read_probe_gb_s,
-    rss_split,
 )
 
 from builder_plugin import kernels  # noqa: E402
-from builder_plugin.runtime.threads import NO_SPINNING, SPINNING_KEY, default_threads  # noqa: E402
+from builder_plugin.runtime.threads import default_threads  # noqa: E402
 from builder_plugin.testing.make_checkpoint import PRESETS  # noqa: E402
 
 HEADING = "## MatMulNBits kernel of the library"
 KERNELS = ("onnxruntime", "library")
-
-
-def measure(path: Path, kernel: str, rows: int, threads: int, steps: int) -> dict[str, Any]:
-    """In this process: load `path` with `kernel`, time `steps` runs of `rows` input rows; read probes around them."""
-    import onnxruntime as ort
-
-    before = rss_split().get("RssAnon", 0)
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = threads
-    options.add_session_config_entry(SPINNING_KEY, NO_SPINNING)
-    if kernel == "library":
-        options.register_custom_ops_library(str(kernels.library_path()))
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    gc.collect()
-    held = rss_split().get("RssAnon", 0) - before
-    rng = np.random.default_rng(0)
-    feeds = {i.name: rng.standard_normal([rows, i.shape[1]]).astype(np.float32) for i in session.get_inputs()}
-    session.run(None, feeds)
-    probes = [read_probe_gb_s()]
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        session.run(None, feeds)
-        times.append(time.perf_counter() - start)
-    probes.append(read_probe_gb_s())
-    return {"session_anon_bytes": held, "step_s": times, "probes_gb_s": probes}
 
 
 def _child(path: Path, kernel: str, rows: int, threads: int, steps: int) -> dict[str, Any]:
@@ -166,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         job = json.loads(args.worker)
-        print(json.dumps(measure(Path(job["path"]), job["kernel"], job["rows"], job["threads"], job["steps"])))
+        library = kernels.library_path() if job["kernel"] == "library" else None
+        print(json.dumps(measure(Path(job["path"]), job["threads"], job["steps"], job["rows"], library)))
         return 0
     if args.from_json:
         results = json.loads(args.from_json.read_text(encoding="utf-8"))

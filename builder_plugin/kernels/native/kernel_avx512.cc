@@ -35,8 +35,6 @@ struct Layout {
   int block_shift = 0;       // log2(block_bytes)
   uint64_t tail = ~0ull;     // byte mask of the last chunk
   alignas(64) int32_t lane_block[kLanes] = {};  // lane -> block within its chunk
-  alignas(64) int32_t zp_byte[kLanes] = {};     // 4 bits: lane -> byte of the chunk's zero points
-  alignas(64) int32_t zp_shift[kLanes] = {};    // 4 bits: lane -> shift of its zero point in that byte
 
   explicit Layout(const Weights& w) {
     bits = static_cast<int>(w.bits);
@@ -52,8 +50,6 @@ struct Layout {
     while ((1 << block_shift) < block_bytes) ++block_shift;
     for (int lane = 0; lane < kLanes; ++lane) {
       lane_block[lane] = blocks_per_chunk ? lane * 4 / block_bytes : 0;
-      zp_byte[lane] = lane_block[lane] / 2;
-      zp_shift[lane] = 4 * (lane_block[lane] % 2);
     }
   }
   // elements of K one chunk covers
@@ -61,10 +57,14 @@ struct Layout {
 };
 
 // A's rows quantized: per row and chunk, the int8 operands of the chunk's vpdpbusd (4 bits: even then odd elements),
-// the lanes' activation scales, and the lanes' activation sums (negated; times the default zero point when B has none).
+// the lanes' activation scales, and without zero points in B the lanes' activation sums times minus the default zero
+// point (the lanes' sums then start from it). With zero points, their share is taken off per column after the chunks:
+// sum over blocks of zp x weight scale x (activation scale x the block's sum of codes), the last factor per row here.
 struct Activations {
-  int64_t rows = 0, chunks = 0, planes = 1;
+  int64_t rows = 0, chunks = 0, planes = 1, blocks = 0;
   Buffer q, scale, offset;
+  Buffer terms;  // B with zero points: per row and block, the activation scale x the block's sum of codes
+  const float* row_terms(int64_t row) const { return static_cast<const float*>(terms.get()) + row * blocks; }
   const int8_t* operand(int64_t row, int64_t chunk, int plane) const {
     return static_cast<const int8_t*>(q.get()) + ((row * chunks + chunk) * planes + plane) * kChunk;
   }
@@ -129,7 +129,21 @@ BP_AVX512 void arrange_rows(const Layout& lay, const QuantizedRows& plain, bool 
   auto* offset_all = static_cast<int32_t*>(act.offset.get());
   const int default_zp = 1 << (lay.bits - 1);
   const __m512i ones = _mm512_set1_epi8(1);
-  const __m512i factor = _mm512_set1_epi32(zero_points ? -1 : -default_zp);
+  const __m512i factor = _mm512_set1_epi32(zero_points ? 0 : -default_zp);
+  act.blocks = lay.blocks;
+  if (zero_points) {
+    act.terms = aligned_buffer(static_cast<size_t>(rows * lay.blocks * 4 + 64));
+    auto* terms = static_cast<float*>(act.terms.get());
+    const int64_t block = lay.block;
+    for (int64_t row = 0; row < rows; ++row) {
+      const int8_t* q = plain.row(row);
+      for (int64_t b = 0; b < lay.blocks; ++b) {
+        int32_t total = 0;
+        for (int64_t i = b * block; i < (b + 1) * block; ++i) total += q[i];
+        terms[row * lay.blocks + b] = plain.row_scales(row)[b] * static_cast<float>(total);
+      }
+    }
+  }
   for (int64_t row = 0; row < rows; ++row) {
     const int8_t* plain_row = plain.row(row);
     const float* block_scales = plain.row_scales(row);
@@ -173,9 +187,6 @@ BP_AVX512 void tile(const Layout& lay, const Weights& w, const Activations& act,
     for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
   const __m512i lane_block = _mm512_load_si512(lay.lane_block);
-  const __m512i zp_byte = _mm512_load_si512(lay.zp_byte);
-  const __m512i zp_shift = _mm512_load_si512(lay.zp_shift);
-  const __m512i nibble = _mm512_set1_epi32(0x0F);
   const uint8_t* base[NR];
   const float* scales[NR];
   const uint8_t* zps[NR];
@@ -187,12 +198,11 @@ BP_AVX512 void tile(const Layout& lay, const Weights& w, const Activations& act,
   }
   for (int64_t c = 0; c < lay.chunks; ++c) {
     const __mmask64 mask = c + 1 == lay.chunks ? lay.tail : ~0ull;
-    __m512i plane0[NR], plane1[NR], zp[NR];
+    __m512i plane0[NR], plane1[NR];
     __m512 sw[NR];
     const int64_t first = c * lay.blocks_per_chunk;
     const int64_t count = std::min<int64_t>(lay.blocks_per_chunk, lay.blocks - first);
     const __mmask16 bmask = static_cast<__mmask16>((1u << count) - 1);
-    const __mmask16 zmask = static_cast<__mmask16>((1u << ((count + 1) / 2)) - 1);
     const int64_t whole = (c * kChunk) >> lay.block_shift;  // the block of a chunk inside one
 #pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) {
@@ -208,43 +218,59 @@ BP_AVX512 void tile(const Layout& lay, const Weights& w, const Activations& act,
       }
       if (lay.blocks_per_chunk) {
         sw[j] = _mm512_permutexvar_ps(lane_block, _mm512_maskz_loadu_ps(bmask, scales[j] + first));
-        if (ZP) {
-          if (BITS == 4) {
-            const __m512i bytes = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(zmask, zps[j] + first / 2));
-            zp[j] = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(zp_byte, bytes), zp_shift), nibble);
-          } else {
-            const __m512i bytes = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(bmask, zps[j] + first));
-            zp[j] = _mm512_permutexvar_epi32(lane_block, bytes);
-          }
-        }
       } else {
-        const int64_t b = whole;
-        sw[j] = _mm512_set1_ps(scales[j][b]);
-        if (ZP) {
-          const int code = BITS == 4 ? (zps[j][b / 2] >> (4 * (b % 2))) & 0x0F : zps[j][b];
-          zp[j] = _mm512_set1_epi32(code);
-        }
+        sw[j] = _mm512_set1_ps(scales[j][whole]);
       }
     }
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
       const int64_t row = row0 + m;
       const __m512 sa = _mm512_load_ps(act.lane_scale(row, c));
-      const __m512i offset = _mm512_load_si512(act.lane_offset(row, c));
+      const __m512i offset = ZP ? _mm512_setzero_si512() : _mm512_load_si512(act.lane_offset(row, c));
       const __m512i x0 = _mm512_load_si512(act.operand(row, c, 0));
       const __m512i x1 = BITS == 4 ? _mm512_load_si512(act.operand(row, c, 1)) : x0;
 #pragma GCC unroll 4
       for (int j = 0; j < NR; ++j) {
-        __m512i sum = ZP ? _mm512_madd_epi16(zp[j], offset) : offset;  // -zp * (sum of the lane's activations)
-        sum = _mm512_dpbusd_epi32(sum, plane0[j], x0);
+        __m512i sum = _mm512_dpbusd_epi32(offset, plane0[j], x0);
         if (BITS == 4) sum = _mm512_dpbusd_epi32(sum, plane1[j], x1);
         acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sw[j], sa), acc[m][j]);
       }
     }
   }
+  float taken[MR][NR] = {};
+  if (ZP) {  // sum over blocks of zp x weight scale x the row's term, 16 blocks at a time
+    const __m512i pairs = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i halves = _mm512_set_epi32(4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0);
+    const __m512i nibble = _mm512_set1_epi32(0x0F);
+#pragma GCC unroll 4
+    for (int j = 0; j < NR; ++j) {
+      __m512 share[MR];
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) share[m] = _mm512_setzero_ps();
+      for (int64_t b = 0; b < lay.blocks; b += 16) {
+        const int64_t n = std::min<int64_t>(16, lay.blocks - b);
+        const __mmask16 mask = static_cast<__mmask16>((1u << n) - 1);
+        __m512i codes;
+        if (BITS == 4) {
+          const __mmask16 bytes = static_cast<__mmask16>((1u << ((n + 1) / 2)) - 1);
+          codes = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(bytes, zps[j] + b / 2));
+          codes = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(pairs, codes), halves), nibble);
+        } else {
+          codes = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(mask, zps[j] + b));
+        }
+        const __m512 weight = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, scales[j] + b), _mm512_cvtepi32_ps(codes));
+#pragma GCC unroll 8
+        for (int m = 0; m < MR; ++m)
+          share[m] = _mm512_fmadd_ps(weight, _mm512_maskz_loadu_ps(mask, act.row_terms(row0 + m) + b), share[m]);
+      }
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) taken[m][j] = _mm512_reduce_add_ps(share[m]);
+    }
+  }
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < NR; ++j)
-      y[(row0 + m) * ldy + col + j] = _mm512_reduce_add_ps(acc[m][j]) + (w.bias ? w.bias[col + j] : 0.0f);
+      y[(row0 + m) * ldy + col + j] =
+          _mm512_reduce_add_ps(acc[m][j]) - taken[m][j] + (w.bias ? w.bias[col + j] : 0.0f);
 }
 
 using TileFn = void (*)(const Layout&, const Weights&, const Activations&, int64_t, int64_t, float*, int64_t);

@@ -36,3 +36,15 @@ def test_level_names_what_the_cpu_offers():
     expected = "amx" if {"avx512_vnni", "amx_tile", "amx_int8"} <= flags else (
         "avx512_vnni" if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags else "none")
     assert kernels.level() == expected
+
+
+def test_notice_only_where_a_faster_path_is_missing(monkeypatch, tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512f avx512_vnni\n", encoding="ascii")
+    flags = kernels.cpu_flags(cpuinfo)
+    assert {"avx2", "avx512_vnni"} <= flags
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(kernels, "library_path", lambda: None)
+    assert "libbuilder_plugin_ops.so was not built" in kernels.missing_notice()
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma"})
+    assert kernels.missing_notice() is None

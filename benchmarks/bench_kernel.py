@@ -9,7 +9,9 @@ The graph of bench_matmulnbits.py (`--layers` layers of qkv, o, gate_up and down
 every node its own) with any number of input rows. Each (kernel, rows) setting loads it in a fresh process with the
 run time's session settings (the default threads, no spinning), onnxruntime's kernel or, registered on the session,
 the library's, and times `--steps` runs, with numpy read probes in the same process right before and after.
-Reported: run time, the stored bytes per second and their share of the read bound (the best probe beside the run),
+`--duel` row counts are also timed with both kernels' sessions in one process taking turns (the fairest comparison
+when the machine's bandwidth moves). Reported: run time, the stored bytes per second and their share of the read
+bound (the best probe beside the run),
 GFLOP/s (2 x rows x K x N per node), and the anonymous memory the session holds after load (onnxruntime's kernel
 keeps a prepacked copy of the weights; the library reads them where the session loaded them).
 Results: benchmarks/results/kernel.json and the "MatMulNBits kernel of the library" section of docs/benchmarks.md.
@@ -24,8 +26,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -40,14 +45,43 @@ from common import (  # noqa: E402
     machine_markdown,
     markdown_table,
     publish,
+    read_probe_gb_s,
 )
 
 from builder_plugin import kernels  # noqa: E402
-from builder_plugin.runtime.threads import default_threads  # noqa: E402
+from builder_plugin.runtime.threads import NO_SPINNING, SPINNING_KEY, default_threads  # noqa: E402
 from builder_plugin.testing.make_checkpoint import PRESETS  # noqa: E402
 
 HEADING = "## MatMulNBits kernel of the library"
 KERNELS = ("onnxruntime", "library")
+
+
+def duel(path: Path, threads: int, rows: int, rounds: int, steps: int = 3) -> dict[str, Any]:
+    """Both kernels' sessions in this process, taking turns `rounds` times (`steps` runs each), a read probe before
+    every turn: the fairest comparison on a machine whose bandwidth moves."""
+    import onnxruntime as ort
+
+    sessions = {}
+    for kernel in KERNELS:
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.add_session_config_entry(SPINNING_KEY, NO_SPINNING)
+        if kernel == "library":
+            options.register_custom_ops_library(str(kernels.library_path()))
+        sessions[kernel] = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    feeds = {i.name: np.full([rows, i.shape[1]], 0.01, dtype=np.float32) for i in sessions["library"].get_inputs()}
+    times: dict[str, list[float]] = {kernel: [] for kernel in KERNELS}
+    probes = []
+    for _ in range(rounds):
+        probes.append(read_probe_gb_s())
+        for kernel, session in sessions.items():
+            session.run(None, feeds)
+            for _ in range(steps):
+                start = time.perf_counter()
+                session.run(None, feeds)
+                times[kernel].append(time.perf_counter() - start)
+    probes.append(read_probe_gb_s())
+    return {"rows": rows, "step_s": times, "probes_gb_s": probes}
 
 
 def _child(path: Path, kernel: str, rows: int, threads: int, steps: int) -> dict[str, Any]:
@@ -57,6 +91,18 @@ def _child(path: Path, kernel: str, rows: int, threads: int, steps: int) -> dict
     if done.returncode:
         raise SystemExit(f"worker failed: {done.stderr.strip().splitlines()[-1:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _duel_child(path: Path, threads: int, rows: int, rounds: int) -> dict[str, Any]:
+    job = {"duel": True, "path": str(path), "threads": threads, "rows": rows, "rounds": rounds}
+    done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if done.returncode:
+        raise SystemExit(f"worker failed: {done.stderr.strip().splitlines()[-1:]}")
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"duel, {rows} rows: " + ", ".join(f"{k} {min(v) * 1e3:.1f} ms" for k, v in found["step_s"].items()),
+          flush=True)
+    return found
 
 
 def _key(kernel: str, rows: int) -> str:
@@ -72,6 +118,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="kernel-", dir=args.work) as work:
         path = Path(work) / "graph.onnx"
         stored = write_graph(path, args.layers, args.block_size, 4, rows="rows")
+        duels = [_duel_child(path, threads, rows, args.duel_rounds) for rows in args.duel]
         for round_index in range(args.rounds):
             for kernel, rows in todo if round_index % 2 == 0 else todo[::-1]:
                 steps = args.steps if rows <= 64 else max(2, args.steps // 4)
@@ -83,7 +130,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return {"layers": args.layers, "block_size": args.block_size, "threads": threads, "rows": args.rows,
             "rounds": args.rounds, "steps": args.steps, "shapes": shapes, "stored_bytes": stored,
             "flops_per_row": 2 * args.layers * sum(k * n for _, k, n in shapes), "library_level": kernels.level(),
-            "runs": runs}
+            "runs": runs, "duels": duels}
 
 
 def report(results: dict[str, Any]) -> str:
@@ -106,6 +153,21 @@ def report(results: dict[str, Any]) -> str:
                              f"{fmt(100 * statistics.median(shares), 0)} %",
                              f"{fmt(flops / min(steps) / 1e9, 0)} / {fmt(flops / statistics.median(steps) / 1e9, 0)}",
                              f"{fmt(held / 1e9, 2)} ({fmt(held / stored, 2)}x)"])
+    duel_rows = []
+    for found in results.get("duels", []):
+        best_probe = max(found["probes_gb_s"])
+        for kernel in KERNELS:
+            steps = found["step_s"][kernel]
+            duel_rows.append([kernel, found["rows"],
+                              f"{fmt(min(steps) * 1e3, 1)} / {fmt(statistics.median(steps) * 1e3, 1)}",
+                              f"{fmt(stored / min(steps) / 1e9, 1)}",
+                              f"{fmt(best_probe, 1)} (median {fmt(statistics.median(found['probes_gb_s']), 1)})",
+                              f"{fmt(100 * stored / min(steps) / best_probe / 1e9, 0)} %"])
+    duel_part = [] if not duel_rows else [
+        "Duels: both kernels' sessions in one process taking turns (3 runs each per turn), a read probe before every "
+        "turn; share = stored bytes / best run / best probe.", "",
+        markdown_table(["kernel", "rows", "run ms best / median", "stored GB/s (best)", "read probes GB/s best",
+                        "share of the best probe"], duel_rows), ""]
     shapes = ", ".join(f"{name} {k}x{n}" for name, k, n in results["shapes"])
     return "\n".join([
         *([results["note"], ""] if results.get("note") else []),
@@ -118,7 +180,7 @@ def report(results: dict[str, Any]) -> str:
         markdown_table(["kernel", "rows", "run ms best / median", "median / its 1-row median",
                         "stored GB/s best / median", "read probes GB/s median (range)",
                         "share of the read bound (median)", "GFLOP/s best / median", "held GB"], rows_out), "",
-        machine_markdown(results["machine"]), ""])
+        *duel_part, machine_markdown(results["machine"]), ""])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="default: the run time's")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--duel", type=lambda s: [int(v) for v in s.split(",") if v], default=[1],
+                        help="row counts to also time with both kernels in one process, taking turns ('' = none)")
+    parser.add_argument("--duel-rounds", type=int, default=8)
     parser.add_argument("--work", default=None, help="folder for the graph (default: the system's temporary one)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kernel.json")
     parser.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"), help="'' leaves the docs alone")
@@ -138,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker:
         job = json.loads(args.worker)
+        if job.get("duel"):
+            print(json.dumps(duel(Path(job["path"]), job["threads"], job["rows"], job["rounds"])))
+            return 0
         library = kernels.library_path() if job["kernel"] == "library" else None
         print(json.dumps(measure(Path(job["path"]), job["threads"], job["steps"], job["rows"], library)))
         return 0

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_matmulnbits import layer_shapes, measure, write_graph  # noqa: E402
+from bench_matmulnbits import layer_shapes, load, measure, write_graph  # noqa: E402
 from common import (  # noqa: E402
     command_line,
     fmt,
@@ -49,7 +49,7 @@ from common import (  # noqa: E402
 )
 
 from builder_plugin import kernels  # noqa: E402
-from builder_plugin.runtime.threads import NO_SPINNING, SPINNING_KEY, default_threads  # noqa: E402
+from builder_plugin.runtime.threads import default_threads  # noqa: E402
 from builder_plugin.testing.make_checkpoint import PRESETS  # noqa: E402
 
 HEADING = "## MatMulNBits kernel of the library"
@@ -59,16 +59,8 @@ KERNELS = ("onnxruntime", "library")
 def duel(path: Path, threads: int, rows: int, rounds: int, steps: int = 3) -> dict[str, Any]:
     """Both kernels' sessions in this process, taking turns `rounds` times (`steps` runs each), a read probe before
     every turn: the fairest comparison on a machine whose bandwidth moves."""
-    import onnxruntime as ort
-
-    sessions = {}
-    for kernel in KERNELS:
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = threads
-        options.add_session_config_entry(SPINNING_KEY, NO_SPINNING)
-        if kernel == "library":
-            options.register_custom_ops_library(str(kernels.library_path()))
-        sessions[kernel] = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    sessions = {kernel: load(path, threads, kernels.library_path() if kernel == "library" else None)
+                for kernel in KERNELS}
     feeds = {i.name: np.full([rows, i.shape[1]], 0.01, dtype=np.float32) for i in sessions["library"].get_inputs()}
     times: dict[str, list[float]] = {kernel: [] for kernel in KERNELS}
     probes = []

@@ -95,18 +95,23 @@ def write_graph(path: Path, layers: int, block_size: int, accuracy_level: int, s
     return stored
 
 
-def measure(path: Path, threads: int, steps: int, rows: int = 1, library: Path | None = None) -> dict[str, Any]:
-    """In this process: load `path` (with the operator `library` registered, if given), time `steps` runs of `rows`
-    input rows; bandwidth probes right before and after."""
+def load(path: Path, threads: int, library: Path | None = None) -> Any:
+    """A session with the run time's settings (`threads`, no spinning), the operator `library` registered if given."""
     import onnxruntime as ort
 
-    before = rss_split().get("RssAnon", 0)
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.add_session_config_entry(SPINNING_KEY, NO_SPINNING)
     if library is not None:
         options.register_custom_ops_library(str(library))
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def measure(path: Path, threads: int, steps: int, rows: int = 1, library: Path | None = None) -> dict[str, Any]:
+    """In this process: load `path` (with the operator `library` registered, if given), time `steps` runs of `rows`
+    input rows; bandwidth probes right before and after."""
+    before = rss_split().get("RssAnon", 0)
+    session = load(path, threads, library)
     gc.collect()
     held = rss_split().get("RssAnon", 0) - before
     feeds = {i.name: np.full([rows, i.shape[1]], 0.01, dtype=np.float32) for i in session.get_inputs()}

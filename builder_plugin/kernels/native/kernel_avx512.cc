@@ -4,8 +4,10 @@
 // the low nibbles of a chunk hold 64 even-numbered rows of K and the high nibbles the odd ones, so A is kept split into
 // its even and odd elements and each nibble plane meets its half with one vpdpbusd (unsigned codes x signed
 // activations). Each 32-bit lane of a chunk lies inside one block, so a lane's integer sum is exact and gets its
-// block's scales when it is converted to float; the zero point enters the integer sum through the lane's sum of
-// activations (sum (code - zp) a = sum code a - zp sum a). Columns are split over onnxruntime's intra-op threads.
+// block's scales when it is converted to float. The zero point's share (sum (code - zp) a = sum code a - zp sum a):
+// the default one starts each lane's sum (-zp x the lane's activation sum); stored ones are taken off per column after
+// its chunks (sum over blocks of zp x both scales x the block's activation sum). Columns are split over onnxruntime's
+// intra-op threads.
 #include "matmul_nbits.h"
 #include "quantize.h"
 
@@ -25,7 +27,6 @@ constexpr int kChunk = 64;    // bytes of a column read at once
 constexpr int kLanes = 16;    // 32-bit lanes of a chunk
 constexpr int kRowGroup = 8;  // rows sharing each chunk of B in the inner loop
 constexpr int kPrefetchAhead = 512;  // bytes of a column prefetched ahead of its loads
-
 
 // How the chunks of one column map to blocks.
 struct Layout {

@@ -15,6 +15,7 @@ import pytest
 from builder_plugin.checkpoint.reader import CheckpointReader
 from builder_plugin.checkpoint.routing import route_weights
 from builder_plugin.config import Phi4MMConfig
+from tests.support.temp import FOREIGN_TEMP_PREFIXES  # removed with the session's folder
 
 # What the code under test (and every subprocess a test starts) writes to the system temp folder goes to a folder of
 # this session's, which must be empty again at the end (pytest_sessionfinish); pytest's own base temp folder stays in
@@ -23,8 +24,6 @@ os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
 SESSION_TEMP = Path(tempfile.mkdtemp(prefix="builder-plugin-tests-"))
 os.environ["TMPDIR"] = str(SESSION_TEMP)
 tempfile.tempdir = None  # gettempdir() reads TMPDIR again
-# Not ours: onnxruntime's telemetry session id, torch's compile cache (removed with the session's folder).
-FOREIGN_TEMP_PREFIXES = (".ses", "torchinductor_")
 
 TINY_SEED = 0
 # search.max_length of the shared packages: a short KV cache keeps every generator cheap.

@@ -25,6 +25,9 @@
   question is, as every question after a guided answer starts a new generator over the conversation's ids).
 - Guidance (runtime/guidance.py) constrains one answer; tools (``Chat.tools``, the JSON list the chat template puts in
   the system message) are rendered by the package's own chat template, read by the runtime from its tokenizer files.
+- Media: every image and clip is decoded first by Pillow / libsndfile in a separate process, with limits and a time
+  bound (builder_plugin.media); onnxruntime-genai is given the canonical PNG / WAV bytes, never the file itself (its
+  bundled JPEG decoder can hang, or end the process, on a broken file).
 - Threads: every session of a loaded model (decoder, embedding, vision, speech) computes with ``threads`` intra-op
   threads, by default one per physical core the process may use, set by an og.Config overlay at load
   (runtime/threads.py).
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -45,6 +49,7 @@ import numpy as np
 import onnxruntime_genai as og
 
 from builder_plugin.layout import GENAI_CONFIG_FILE, mode_of
+from builder_plugin.media import Media, MediaDecoder
 from builder_plugin.runtime.errors import (
     ChatError,
     GuidanceError,
@@ -57,7 +62,7 @@ from builder_plugin.runtime.errors import (
 from builder_plugin.runtime.guidance import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Guidance, tool_call_grammar
 from builder_plugin.runtime.kv_cache import kv_bytes_per_token
 from builder_plugin.runtime.manifest import Manifest
-from builder_plugin.runtime.media import check_audio, check_image, decoder_reason
+from builder_plugin.runtime.media import MediaSource, og_audios, og_images, open_audio, open_image
 from builder_plugin.runtime.prompt import ASSISTANT, END, PLACEHOLDERS, Turn, build_prompt, user_content, user_turn
 from builder_plugin.runtime.threads import thread_overlay
 from builder_plugin.runtime.tokens import MAX_TOP_LOGPROBS, TokenBytes, TokenLogprob, token_logprob
@@ -192,8 +197,10 @@ class Chat:
 
     def __init__(self, package_dir: str | Path, max_length: int | None = None,
                  execution_provider: str | None = None, system: str | None = None,
-                 follow_up_room: int = FOLLOW_UP_ROOM, threads: int | None = None) -> None:
+                 follow_up_room: int = FOLLOW_UP_ROOM, threads: int | None = None,
+                 media: MediaDecoder | None = None) -> None:
         self.package_dir = Path(package_dir).expanduser()
+        self.media = media  # decodes the files a question names (None: the process's default decoder)
         self.execution_provider = execution_provider
         self.threads = threads  # intra-op threads of every session; None: one per physical core the process may use
         self.system = system
@@ -325,14 +332,15 @@ class Chat:
         self._drop_live()
 
     def restore(self, turns: Sequence[Turn]) -> None:
-        """Make `turns` (answered questions) the conversation so far, as if they had been asked here; the next
-        question is answered after them. Restoring the conversation already held keeps its generator, and so does
-        restoring its first turns: a next question that edits a later one, or asks the next one again, rewinds the
-        generator to what they share (unless that drops media, or rewinds a LongRoPE-recomputed cache below the
-        switch)."""
-        turns = list(turns)
+        """Make `turns` (answered questions) the conversation so far, as if they had been asked here (their media files
+        are decoded as ask's are); the next question is answered after them. Restoring the conversation already held
+        keeps its generator, and so does restoring its first turns: a next question that edits a later one, or asks
+        the next one again, rewinds the generator to what they share (unless that drops media, or rewinds a
+        LongRoPE-recomputed cache below the switch)."""
         if any(t.assistant is None for t in turns):
             raise ValueError("restored turns must all be answered")
+        turns = [replace(t, images=tuple(open_image(m, self.media) for m in t.images),
+                         audios=tuple(open_audio(m, self.media) for m in t.audios)) for t in turns]
         if turns == self.turns:
             return
         for i, turn in enumerate(turns):
@@ -344,7 +352,7 @@ class Chat:
         if live is None or live.turns[:len(turns)] != turns:
             self._drop_live()  # else the next question may rewind the generator to the turns it shares
 
-    def ask(self, text: str, images: Sequence[str | Path] = (), audios: Sequence[str | Path] = (),
+    def ask(self, text: str, images: Sequence[MediaSource] = (), audios: Sequence[MediaSource] = (),
             max_new_tokens: int = 256, sampling: Sampling | None = None, guidance: Guidance | None = None,
             logprobs: int | None = None, role: str = "user") -> Iterator[str]:
         """Ask the next question; returns an iterator over the answer's text pieces as they are generated.
@@ -359,7 +367,8 @@ class Chat:
             raise ValueError("max_new_tokens must be at least 1")
         if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
-        turn = Turn(text, tuple(check_image(p) for p in images), tuple(check_audio(p) for p in audios), role=role)
+        turn = Turn(text, tuple(open_image(p, self.media) for p in images),
+                    tuple(open_audio(p, self.media) for p in audios), role=role)
         sampling = sampling or Sampling()
         loaded = self._load(self.next_variant(images, audios))
         header = self._header(loaded)
@@ -508,12 +517,13 @@ class Chat:
 
     # ---- raw generation ------------------------------------------------------------------------------------------
 
-    def generate(self, prompt: str, images: Sequence[str | Path] = (), audios: Sequence[str | Path] = (),
+    def generate(self, prompt: str, images: Sequence[MediaSource] = (), audios: Sequence[MediaSource] = (),
                  max_new_tokens: int = 32, sampling: Sampling | None = None) -> Generation:
         """Run one prompt as written (no chat template, no history): the processor tensors and the new token ids."""
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
-        request = self._prepare(prompt, [check_image(p) for p in images], [check_audio(p) for p in audios],
+        request = self._prepare(prompt, [open_image(p, self.media) for p in images],
+                                [open_audio(p, self.media) for p in audios],
                                 max_new_tokens, sampling or Sampling(), room=0)
         inputs = {}
         for name in request.inputs.keys():
@@ -525,7 +535,7 @@ class Chat:
             pieces.append(piece)
         return Generation(inputs, tokens, "".join(pieces), request.variant, self.last_stats)
 
-    def _prepare(self, prompt: str, images: Sequence[Path], audios: Sequence[Path], max_new_tokens: int,
+    def _prepare(self, prompt: str, images: Sequence[Media], audios: Sequence[Media], max_new_tokens: int,
                  sampling: Sampling, room: int, turns: Sequence[Turn] = ()) -> _Request:
         if audios and not self.has_speech:
             raise PackageError("this package has no speech model, so it cannot take audio")
@@ -548,25 +558,22 @@ class Chat:
         return min(self.max_length, tokens + max_new_tokens + room)
 
     @staticmethod
-    def _process(loaded: _Loaded, prompt: str, images: Sequence[Path], audios: Sequence[Path]) -> Any:
-        def run(prompt: str, images: Sequence[Path], audios: Sequence[Path]) -> Any:
-            return loaded.processor(
-                prompt,
-                images=og.Images.open(*map(str, images)) if images else None,
-                audios=og.Audios.open(*map(str, audios)) if audios else None,
-            )
+    def _process(loaded: _Loaded, prompt: str, images: Sequence[Media], audios: Sequence[Media]) -> Any:
+        def run(prompt: str, images: Sequence[Media], audios: Sequence[Media]) -> Any:
+            return loaded.processor(prompt, images=og_images(images), audios=og_audios(audios))
 
         try:
             return run(prompt, images, audios)
         except RuntimeError as exc:
             message = first_line(exc)
-        # Name the file the decoders rejected by trying each alone.
-        for kind, files in (("image", images), ("audio", audios)):
-            for path in files:
+        # Name the media the processor rejected by trying each alone.
+        for kind, items in (("image", images), ("audio", audios)):
+            for media in items:
                 try:
-                    run(f"<|{kind}_1|>", [path] if kind == "image" else [], [path] if kind == "audio" else [])
+                    run(f"<|{kind}_1|>", [media] if kind == "image" else [], [media] if kind == "audio" else [])
                 except RuntimeError as exc:
-                    raise UnsupportedMediaError(f"cannot read {kind} {path}: {decoder_reason(first_line(exc))}") \
+                    reason = re.sub(r"^\[\w+\]:\s*", "", first_line(exc))  # "[Phi4VisionProcessor]: ..."
+                    raise UnsupportedMediaError(f"cannot read {kind} {media.source}: {reason}", media.source) \
                         from None
         raise ChatError(f"the runtime rejected the prompt: {message}")
 
@@ -746,8 +753,8 @@ def _with_ids(inputs: Any, ids: list[int]) -> Any:
     return inputs
 
 
-def generate(package_dir: str | Path, prompt: str, images: Sequence[str | Path] = (),
-             audios: Sequence[str | Path] = (), max_new_tokens: int = 32, max_length: int | None = None,
+def generate(package_dir: str | Path, prompt: str, images: Sequence[MediaSource] = (),
+             audios: Sequence[MediaSource] = (), max_new_tokens: int = 32, max_length: int | None = None,
              execution_provider: str | None = None, threads: int | None = None) -> Generation:
     """One raw generation with a fresh Chat (see Chat.generate)."""
     chat = Chat(package_dir, max_length=max_length, execution_provider=execution_provider, threads=threads)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from builder_plugin.media import Media
 from builder_plugin.runtime.errors import TagMismatchError
 
 END = "<|end|>"  # end of a turn; also the end-of-sequence token that closes an answer
@@ -25,8 +25,8 @@ class Turn:
     them (``<|tool|>result<|end|>`` per result)."""
 
     user: str
-    images: tuple[Path, ...] = ()
-    audios: tuple[Path, ...] = ()
+    images: tuple[Media, ...] = ()  # decoded (runtime.open_image): equal when their canonical bytes are
+    audios: tuple[Media, ...] = ()
     assistant: str | None = None
     answer_ids: tuple[int, ...] | None = field(default=None, compare=False)
     role: str = USER

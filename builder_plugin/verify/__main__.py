@@ -138,9 +138,8 @@ def user_errors() -> tuple[type[Exception], ...]:
     from builder_plugin.runtime import ChatError
     from builder_plugin.verify.engine import EngineError
     from builder_plugin.verify.package_info import ArchitectureMismatchError
-    from builder_plugin.verify.prompts import MediaError
 
-    return BuildError, ChatError, MediaError, ReferenceModelError, ArchitectureMismatchError, EngineError
+    return BuildError, ChatError, ReferenceModelError, ArchitectureMismatchError, EngineError
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,5 +1,5 @@
 """Soak test of `python -m builder_plugin.serve`: many mixed requests from several clients at once, every answer
-checked against `Chat`, and the server's memory, threads, media cache and exit status checked at the end.
+checked against `Chat`, and the server's memory, threads, temporary folder and exit status checked at the end.
 
     python benchmarks/bench_soak.py                                   # 500 requests on the tiny generated package
     python benchmarks/bench_soak.py --requests 2000 --concurrency 8 --server-arg=--max-queue --server-arg=16
@@ -59,7 +59,7 @@ def summary(run: dict[str, Any]) -> str:
              "server RSS MiB (after N requests): " + ", ".join(f"{n}: {b / MiB:.1f}" for n, b in rss)
              + (f"; growth {run['rss_growth']:+.1%}" if run["rss_growth"] is not None else ""),
              "server threads (after N requests): " + ", ".join(f"{n}: {t}" for n, t in run["thread_samples"]),
-             f"exit status on SIGTERM: {run['exit_code']}; files left in the media cache: "
+             f"exit status on SIGTERM: {run['exit_code']}; files left in its temporary folder: "
              f"{len(run['leftover_files'])}",
              "latency s p50 / p90 / max: " + "; ".join(
                  f"{kind} {fmt(s['p50'])} / {fmt(s['p90'])} / {fmt(s['max'])}" for kind, s in run["latency_s"].items())]
@@ -93,7 +93,7 @@ def section(results: dict[str, Any]) -> str:
             "independent `Chat` on the same package (greedy). The first requests, one per client sent at the same "
             "moment, are the longest prompt of the run. Server RSS and threads: after the first 50 requests and at "
             "the end, both with no request out; the check is growth <= 5 % and no more threads. Exit = the server's "
-            "status on SIGTERM; files left = in its --media-cache folder after it stopped. The load average (2 "
+            "status on SIGTERM; files left = in its temporary folder (TMPDIR) after it stopped. The load average (2 "
             "cores) is the machine's at the end.\n\n" + table)
 
 

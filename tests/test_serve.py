@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import io
 import json
 import os
 import shutil
@@ -22,7 +23,9 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from PIL import Image
 
+from builder_plugin.media import MediaDecoder
 from builder_plugin.runtime import Chat, ChatError, Sampling
 from builder_plugin.serve.app import MB, Server
 from builder_plugin.serve.errors import ApiError
@@ -30,6 +33,7 @@ from builder_plugin.serve.media import MediaCache, MediaReader
 from builder_plugin.serve.protocol import parse_conversation
 from builder_plugin.serve.stop import StopScanner
 from builder_plugin.testing.media import make_wav
+from tests.support.temp import our_files
 
 IMAGE = "square.png"
 AUDIO = "clip_2s.wav"
@@ -96,7 +100,7 @@ class Running:
 @contextlib.contextmanager
 def running_server(chat: Chat, folder: Path, **options) -> Iterator[Running]:
     """A uvicorn server for `chat` on a free 127.0.0.1 port, in a thread; stopped on exit."""
-    routes = Server(chat, MediaCache(folder / "media-cache", 64 * MB), **options)
+    routes = Server(chat, MediaCache(MediaDecoder(), 64 * MB), **options)
     listener = socket.create_server(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(routes.app(), log_level="warning", timeout_graceful_shutdown=5))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [listener]}, daemon=True)
@@ -289,7 +293,7 @@ def test_local_files_only_when_allowed(served_chat, chat, media_dir, tmp_path):
 def _bad_requests(media_dir: Path, tmp_path: Path) -> dict[str, tuple[dict, int, str | None, str]]:
     """name -> (request fields, status, error code, a piece of the message)."""
     png = (media_dir / IMAGE).read_bytes()
-    gif = b"GIF89a" + bytes(64)
+    gif = b"GIF89a" + bytes(64)  # a GIF's first bytes, then nothing of one
     low_rate = make_wav(tmp_path / "low.wav", 1.0, sample_rate=6000)
     image_msg = lambda data, mime="image/png": {"role": "user", "content": [  # noqa: E731
         {"type": "image_url", "image_url": {"url": f"data:{mime};base64,{data}"}}, {"type": "text", "text": "?"}]}
@@ -304,17 +308,19 @@ def _bad_requests(media_dir: Path, tmp_path: Path) -> dict[str, tuple[dict, int,
                       400, "unsupported_content_type", "unsupported part type 'video_url'"),
         "image base64": ({"messages": [image_msg("not base64!")]}, 400, "invalid_base64", "not valid base64"),
         "audio base64": ({"messages": [audio_msg("%%%")]}, 400, "invalid_base64", "not valid base64"),
-        "gif image": ({"messages": [image_msg(_b64(gif), "image/gif")]}, 400, "invalid_image_format",
-                      "not a PNG or JPEG"),
+        "broken gif": ({"messages": [image_msg(_b64(gif), "image/gif")]}, 400, "invalid_image_format",
+                       "messages[0].content[0].image_url: not a readable image (truncated GIF)"),
         "wav as image": ({"messages": [image_msg(_b64((media_dir / AUDIO).read_bytes()))]}, 400,
-                         "invalid_image_format", "not a PNG or JPEG"),
+                         "invalid_image_format", "not a readable image (not a JPEG, PNG, WebP, GIF, BMP or TIFF file)"),
         "http image": ({"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://127.0.0.1/x.png"}}]}]}, 400, "invalid_image_url",
             "must be data: URLs"),
-        "png as audio": ({"messages": [audio_msg(_b64(png))]}, 400, "invalid_media", "not a WAV, MP3 or FLAC"),
-        "6 kHz audio": ({"messages": [audio_msg(_b64(low_rate.read_bytes()))]}, 400, "invalid_media",
-                        "sample rates below 8000 Hz"),
-        "audio format": ({"messages": [audio_msg(_b64(png), "ogg")]}, 400, "invalid_audio_format", "wav, mp3, flac"),
+        "png as audio": ({"messages": [audio_msg(_b64(png))]}, 400, "invalid_audio_format",
+                         "messages[0].content[0].input_audio: not a readable audio clip (not a WAV, FLAC, Ogg or MP3"),
+        "6 kHz audio": ({"messages": [audio_msg(_b64(low_rate.read_bytes()))]}, 400, "invalid_audio_format",
+                        "unsupported sample rate 6000 Hz (use 8000 to 192000)"),
+        "audio format": ({"messages": [audio_msg(_b64(png), "aac")]}, 400, "invalid_audio_format",
+                         "wav, mp3, flac, ogg"),
         "image tags": ({"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{_b64(png)}"}},
             {"type": "text", "text": "<|image_1|> and <|image_2|>?"}]}]}, 400, "invalid_media_tags",
@@ -347,7 +353,7 @@ def _bad_requests(media_dir: Path, tmp_path: Path) -> dict[str, tuple[dict, int,
     }
 
 
-BAD_REQUESTS = ["unknown role", "tool first", "part type", "image base64", "audio base64", "gif image",
+BAD_REQUESTS = ["unknown role", "tool first", "part type", "image base64", "audio base64", "broken gif",
                 "wav as image", "http image", "png as audio", "6 kHz audio", "audio format", "image tags", "context",
                 "last not user", "assistant first", "temperature", "n", "model", "format type", "schema refused",
                 "penalty", "unknown field", "top_logprobs alone", "top_logprobs 21", "tool_choice alone",
@@ -365,10 +371,6 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, cha
         error = caught.value
         assert (error.status_code, error.code) == (status, code), name
         assert message in error.message and "\n" not in error.body["message"], name
-        assert str(server.routes.media_cache.folder) not in error.body["message"], name  # no server paths
-    # Refused requests keep no file (the 6 kHz clip was stored before the runtime refused it, the PNG of the tag
-    # mismatch before its tags were checked; the PNG sent as audio is refused before it is stored).
-    assert list(server.routes.media_cache.folder.iterdir()) == []
     with pytest.raises(openai.BadRequestError, match="start the server with a larger --max-length") as caught:
         client.chat.completions.create(model=server.routes.model_id, messages=[user("word " * 5000)])
     assert "max_length" not in caught.value.message  # the Python API's name is not the server's option
@@ -544,24 +546,14 @@ def test_disconnect_stops_generation(server, served_chat, chat):
 # ---- command line -------------------------------------------------------------------------------------------------
 
 
-def _folder_files(folder: Path) -> list[str]:
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
-
-
-@pytest.mark.parametrize("stop, media_cache", [("SIGTERM", None), ("SIGINT", "new"), ("SIGHUP", "existing")])
-def test_cli_serves_a_package_and_leaves_no_media_when_stopped(package, chat, media_dir, tmp_path, stop, media_cache):
-    """A real server process, stopped by a signal: exit 0, and nothing a client sent is left (the temporary folder or
-    a --media-cache folder it created is gone; in a folder that was there, only what was there before remains)."""
+@pytest.mark.parametrize("stop", ["SIGTERM", "SIGINT", "SIGHUP"])
+def test_cli_serves_a_package_and_keeps_nothing_a_client_sent(package, chat, media_dir, tmp_path, stop):
+    """A real server process, stopped by a signal: exit 0, and nothing a client sent is written to disk (its temporary
+    folder stays empty while it serves and after)."""
     temp = tmp_path / "temp"  # the server's system temp folder
     temp.mkdir()
-    command = [sys.executable, "-m", "builder_plugin.serve", str(package), "--port", "0"]
-    if media_cache is not None:
-        folder = tmp_path / "cache"
-        command += ["--media-cache", str(folder)]
-        if media_cache == "existing":
-            folder.mkdir()
-            (folder / "mine.txt").write_text("not the server's")
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+    process = subprocess.Popen([sys.executable, "-m", "builder_plugin.serve", str(package), "--port", "0"],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                env={**os.environ, "TMPDIR": str(temp)})
     try:
         line = process.stdout.readline()
@@ -571,9 +563,7 @@ def test_cli_serves_a_package_and_leaves_no_media_when_stopped(package, chat, me
         client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
         media = (media_dir / IMAGE,), (media_dir / AUDIO,)
         assert ask_server(client, [user("Hi", *media)]) == ask_chat(chat, [("Hi", *media)])[0]
-        held = [f for f in _folder_files(temp) if f.startswith("phi4mm-serve-media-")] if media_cache is None \
-            else [f for f in _folder_files(tmp_path / "cache") if f != "mine.txt"]
-        assert len(held) == 2, held  # the image and the clip, while serving
+        assert our_files(temp) == []
         process.send_signal(getattr(signal, stop))
         assert process.wait(timeout=30) == 0
         assert process.stdout.read().splitlines()[-1] == f"stopped by {stop}"
@@ -581,11 +571,38 @@ def test_cli_serves_a_package_and_leaves_no_media_when_stopped(package, chat, me
         if process.poll() is None:
             process.kill()
             process.wait()
-    assert not list(temp.glob("phi4mm-serve-media-*"))
-    if media_cache == "new":
-        assert not (tmp_path / "cache").exists()
-    elif media_cache == "existing":
-        assert _folder_files(tmp_path / "cache") == ["mine.txt"]
+    assert our_files(temp) == []
+
+
+def test_a_draining_server_answers_503_until_its_answers_end(package, tmp_path):
+    """After a stop signal the server keeps listening: readiness probes and new requests get 503 (not a refused
+    connection) while the answer in progress goes on, then it ends with finish_reason "length" and the server
+    exits."""
+    process = subprocess.Popen([sys.executable, "-m", "builder_plugin.serve", str(package), "--port", "0",
+                                "--drain-seconds", "3"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        url = process.stdout.readline().split(" at ")[1].strip()
+        base = url.removesuffix("/v1")
+        body = {"messages": [user("Count.")], "max_tokens": 100_000, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with httpx.Client(timeout=60) as client, client.stream("POST", f"{url}/chat/completions", json=body) as stream:
+            lines = stream.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))  # answering
+            process.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 10
+            while (health := httpx.get(f"{base}/health")).status_code == 200:
+                assert time.monotonic() < deadline, "the server never reported draining"
+                time.sleep(0.05)
+            assert (health.status_code, health.json()["status"]) == (503, "draining")
+            refused = httpx.post(f"{url}/chat/completions", json={"messages": [user("Hi")]})
+            assert (refused.status_code, refused.json()["error"]["message"]) == (503, "the server is shutting down")
+            chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
 
 
 def test_cli_errors_are_one_line(tmp_path):
@@ -609,8 +626,8 @@ def test_stop_scanner_holds_back_what_may_start_a_stop_string():
     assert (scanner.feed("xxab"), scanner.feed("d"), scanner.flush()) == (("xx", False), ("abd", False), "")
 
 
-def test_messages_become_turns(media_dir, tmp_path):
-    media = MediaReader(MediaCache(tmp_path / "cache", MB))
+def test_messages_become_turns(media_dir):
+    media = MediaReader(MediaCache(MediaDecoder(), MB))
     png = image_part(media_dir / IMAGE)
     conversation = parse_conversation([
         {"role": "system", "content": "Be brief."},
@@ -620,58 +637,75 @@ def test_messages_become_turns(media_dir, tmp_path):
         {"role": "user", "content": "Why?"},
         {"role": "user", "content": [{"type": "text", "text": "Where is <|audio_1|>?"}, audio_part(media_dir / AUDIO)]},
     ], media)
+    media.cache.close()
     assert conversation.system == "Be brief."
     first, = conversation.history
     assert (first.user, first.assistant) == ("Compare<|image_1|>and<|image_2|>", "Same.")
-    assert first.images[0] == first.images[1] and first.images[0].parent == tmp_path / "cache"  # same bytes, one file
+    assert first.images[0] == first.images[1]  # the same bytes: the same image
+    assert [m.source for m in first.images] == ["messages[1].content[1].image_url", "messages[1].content[3].image_url"]
     assert conversation.question.user == "Why?\nWhere is <|audio_1|>?"
-    assert conversation.question.audios[0].suffix == ".wav"
+    assert conversation.question.audios[0].info["format"] == "WAV"
 
 
-def test_media_cache_is_bounded_and_keeps_files_in_use(tmp_path):
-    cache = MediaCache(tmp_path / "cache", max_bytes=250)
-    first = cache.store(b"a" * 100, ".wav")
-    assert cache.store(b"a" * 100, ".wav") == first
-    second = cache.store(b"b" * 100, ".wav")
-    third = cache.store(b"c" * 100, ".wav")  # over the bound, but all three are pinned
-    assert first.is_file() and second.is_file() and third.is_file()
-    cache.release([first, first, second])
-    cache.store(b"d" * 100, ".wav")
-    assert not first.is_file() and not second.is_file() and third.is_file()
+class CountingDecoder(MediaDecoder):
+    """A MediaDecoder that counts its decodes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.decoded: list[str] = []
+
+    def decode(self, kind, data, source):
+        self.decoded.append(source)
+        return super().decode(kind, data, source)
+
+
+def _png(value: int) -> bytes:
+    out = io.BytesIO()
+    Image.new("RGB", (8, 8), (value, value, value)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_media_cache_decodes_the_same_bytes_once_and_stays_bounded():
+    decoder = CountingDecoder()
+    one = MediaDecoder().image(_png(1), "size")
+    cache = MediaCache(decoder, max_bytes=2 * len(one.data) + 10)  # room for two decoded images
+    first = cache.decode("image", _png(1), "first")
+    again = cache.decode("image", _png(1), "again")
+    assert again == first and again.source == "again" and decoder.decoded == ["first"]
+    cache.decode("image", _png(2), "second")
+    cache.decode("image", _png(3), "third")  # the least recently used one is dropped
+    assert cache.held_bytes <= cache.max_bytes
+    cache.decode("image", _png(1), "first again")
+    assert decoder.decoded == ["first", "second", "third", "first again"]
     with pytest.raises(ApiError, match="not valid base64"):
         MediaReader(cache).audio("***", "wav", "x")
-
-
-def test_media_cache_in_a_folder_that_was_there_touches_only_its_own_files(tmp_path):
-    folder = tmp_path / "cache"
-    folder.mkdir()
-    (folder / "mine.bin").write_bytes(b"x" * 1000)  # over the bound on its own
-    cache = MediaCache(folder, max_bytes=250)
-    first = cache.store(b"a" * 100, ".wav")
-    cache.release([first])
-    second = cache.store(b"b" * 100, ".wav")
-    assert first.is_file() and second.is_file()  # 200 bytes of its own: under the bound
     cache.close()
-    assert sorted(p.name for p in folder.iterdir()) == ["mine.bin"]
+    assert cache.held_bytes == 0
+    with pytest.raises(ApiError, match="shutting down"):
+        cache.decode("image", _png(1), "late")
 
 
-def test_media_that_is_not_audio_is_never_stored(media_dir, tmp_path):
-    cache = MediaCache(tmp_path / "cache", MB)
+def test_refused_media_are_not_kept(media_dir):
+    cache = MediaCache(MediaDecoder(), MB)
     reader = MediaReader(cache)
     for data in ((media_dir / IMAGE).read_bytes(), b"RIFF" + bytes(64), b"plain text, not a clip"):
-        with pytest.raises(ApiError, match="not a WAV, MP3 or FLAC file"):
+        with pytest.raises(ApiError, match=r"x: not a readable audio clip \(not a WAV, FLAC, Ogg or MP3 file"):
             reader.audio(_b64(data), "wav", "x")
-    assert list(cache.folder.iterdir()) == [] and reader.stored == []
-    assert reader.audio(_b64((media_dir / AUDIO).read_bytes()), "wav", "x").is_file()
+    assert cache.held_bytes == 0
+    assert reader.audio(_b64((media_dir / AUDIO).read_bytes()), "wav", "x").kind == "audio"
     cache.close()
-    assert not cache.folder.exists()  # it created the folder: close removes it
 
 
-def test_disguised_file_url_is_refused(media_dir, tmp_path):
+def test_local_files_are_decoded_like_sent_ones(media_dir, tmp_path):
     disguised = tmp_path / "sound.png"
     shutil.copy(media_dir / AUDIO, disguised)
-    with pytest.raises(ApiError, match="not a PNG or JPEG image"):
-        MediaReader(MediaCache(tmp_path / "cache", MB), allow_local_files=True).image(disguised.as_uri(), "url")
+    reader = MediaReader(MediaCache(MediaDecoder(), MB), allow_local_files=True)
+    with pytest.raises(ApiError, match=r"url: not a readable image \(not a JPEG"):
+        reader.image(disguised.as_uri(), "url")
+    with pytest.raises(ApiError, match="url: image file not found: "):
+        reader.image((tmp_path / "nothing.png").as_uri(), "url")
+    assert reader.image((media_dir / IMAGE).as_uri(), "url").source == "url"
+    reader.cache.close()
 
 
 # ---- structured output, tool calls, log-probabilities --------------------------------------------------------------

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import time
@@ -92,11 +91,13 @@ class Server:
     # ---- routes --------------------------------------------------------------------------------------------------
 
     async def health(self, _: Request) -> Response:
-        return JSONResponse({"status": "ok", "model": self.model_id, "busy": self.worker.busy,
-                             "answering": self.worker.answering, "waiting": self.worker.waiting,
-                             "max_queue": self.worker.max_queue, "conversations": self.pool.live_conversations,
-                             "max_conversations": self.pool.max_conversations, "kv_bytes": self.pool.kv_bytes,
-                             "kv_budget_bytes": self.pool.kv_budget_bytes})
+        """Readiness: 200 while requests are taken, 503 once a stop signal drains the server."""
+        draining = self.worker.stopping
+        body = {"status": "draining" if draining else "ok", "model": self.model_id, "busy": self.worker.busy,
+                "answering": self.worker.answering, "waiting": self.worker.waiting, "max_queue": self.worker.max_queue,
+                "conversations": self.pool.live_conversations, "max_conversations": self.pool.max_conversations,
+                "kv_bytes": self.pool.kv_bytes, "kv_budget_bytes": self.pool.kv_budget_bytes}
+        return JSONResponse(body, status_code=503 if draining else 200)
 
     async def metrics_text(self, _: Request) -> Response:
         body, content_type = self.metrics.exposition()
@@ -116,25 +117,15 @@ class Server:
         if parsed.model is not None and parsed.model != self.model_id:
             raise _unknown_model(parsed.model)
         media = MediaReader(self.media_cache, self.allow_local_files)
-        release = functools.partial(self.media_cache.release, media.stored)  # the files may be evicted again
         reply = Reply.new(self.model_id)
-        streaming = refused = False
-        try:
-            job, events = await self._submit(parsed, media, received)
-            if parsed.stream:
-                first = await _until_disconnect(request, job, events.get())
-                if isinstance(first, Failed):
-                    raise first.error
-                streaming = True  # the stream releases the media when it ends
-                return StreamingResponse(_stream(job, events, reply, parsed.include_usage, release),
-                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-            answer = await _until_disconnect(request, job, _collect(events))
-        except ApiError:
-            refused = True  # the files of a refused request are not kept
-            raise
-        finally:
-            if not streaming:
-                release(discard=refused)
+        job, events = await self._submit(parsed, media, received)
+        if parsed.stream:
+            first = await _until_disconnect(request, job, events.get())
+            if isinstance(first, Failed):
+                raise first.error
+            return StreamingResponse(_stream(job, events, reply, parsed.include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        answer = await _until_disconnect(request, job, _collect(events))
         finished = answer.finished
         return JSONResponse(reply.completion(answer.text or (None if answer.calls else ""), finished.finish_reason,
                                              usage(finished.prompt_tokens, finished.completion_tokens),
@@ -142,7 +133,7 @@ class Server:
 
     async def _submit(self, parsed: ChatCompletionRequest, media: MediaReader,
                       received: float) -> tuple[Job, asyncio.Queue[Event]]:
-        """Parse the messages (decoding media into the cache) and queue the job; raises ApiError (400, 429).
+        """Parse the messages (decoding their media) and queue the job; raises ApiError (400, 429).
         `received`: the perf_counter time the request arrived (of the time-to-first-token metric)."""
         tools = parsed.tool_spec
         if tools is not None and tools.offered and not await run_in_threadpool(self._has_tool_tokens):
@@ -155,7 +146,7 @@ class Server:
         events: asyncio.Queue[Event] = asyncio.Queue()
         job = Job(conversation, emit=_recording(self.metrics, received, _emitter(asyncio.get_running_loop(), events)),
                   max_new_tokens=parsed.max_new_tokens or self.max_tokens, sampling=parsed.sampling,
-                  stops=parsed.stop_strings, labels=media.labels, guidance=parsed.guidance, tools=tools,
+                  stops=parsed.stop_strings, guidance=parsed.guidance, tools=tools,
                   logprobs=parsed.top)
         self.worker.submit(job)
         return job, events
@@ -259,8 +250,7 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _stream(job: Job, events: asyncio.Queue[Event], reply: Reply, include_usage: bool,
-                  release: Callable[[], None]) -> AsyncIterator[str]:
+async def _stream(job: Job, events: asyncio.Queue[Event], reply: Reply, include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events: a role chunk, content chunks, a finish chunk, a usage chunk when asked, then [DONE].
     Starlette cancels this when the client disconnects; the job is then cancelled too."""
     logprobs = job.logprobs is not None
@@ -286,7 +276,6 @@ async def _stream(job: Job, events: asyncio.Queue[Event], reply: Reply, include_
         yield "data: [DONE]\n\n"
     finally:
         job.cancel()
-        release()
 
 
 def _sse(data: dict[str, Any]) -> str:

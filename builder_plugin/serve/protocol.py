@@ -225,7 +225,7 @@ def _user_parts(content: Any, param: str, media: MediaReader) -> list[tuple[str,
         if kind == "text" and isinstance(part.get("text"), str):
             parts.append(("text", part["text"]))
         elif kind == "image_url" and isinstance(part.get("image_url"), dict):
-            parts.append(("image", media.image(part["image_url"].get("url"), f"{where}.image_url.url")))
+            parts.append(("image", media.image(part["image_url"].get("url"), f"{where}.image_url")))
         elif kind == "input_audio" and isinstance(part.get("input_audio"), dict):
             audio = part["input_audio"]
             parts.append(("audio", media.audio(audio.get("data"), audio.get("format"), f"{where}.input_audio")))

@@ -15,7 +15,6 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from builder_plugin import runtime
 from builder_plugin.runtime import Guidance, Sampling, TokenLogprob
@@ -26,6 +25,8 @@ from builder_plugin.serve.stop import StopScanner
 from builder_plugin.serve.tools import CallScanner, Tools
 
 log = logging.getLogger("builder_plugin.serve")
+
+DRAIN_MARGIN_S = 5.0  # past the drain deadline: the last token step of each answer, and its final events
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,6 @@ class Job:
     max_new_tokens: int | None = None  # None: up to the maximum length
     sampling: Sampling = field(default_factory=Sampling)
     stops: tuple[str, ...] = ()
-    labels: dict[Path, str] = field(default_factory=dict)  # media file -> its place in the request
     guidance: Guidance | None = None  # response_format
     tools: Tools | None = None
     logprobs: int | None = None  # alternatives per token when log-probabilities are asked for
@@ -130,9 +130,15 @@ class Worker:
             self._waiting.append(job)
             self._lock.notify()
 
-    def drain(self, grace_s: float) -> None:
+    @property
+    def stopping(self) -> bool:
+        """Draining or stopped: new requests get 503."""
+        return self._stopping
+
+    def drain(self, grace_s: float, wait: bool = False) -> None:
         """Take no more requests, fail the waiting ones (503), and let the answers in progress go on for up to
-        `grace_s` seconds; those still running then end as if cut by their token limit (finish_reason "length")."""
+        `grace_s` seconds; those still running then end as if cut by their token limit (finish_reason "length").
+        With `wait`, return once they have ended."""
         with self._lock:
             self._stopping = True
             deadline = time.monotonic() + grace_s
@@ -141,6 +147,8 @@ class Worker:
             self._lock.notify()
         for job in waiting:
             job.emit(Failed(shutting_down()))
+        if wait and self._thread.is_alive():
+            self._thread.join(timeout=grace_s + DRAIN_MARGIN_S)
 
     def stop(self) -> None:
         """End every answer now (see drain) and the thread, and free the kept conversations."""
@@ -220,7 +228,7 @@ class Worker:
                               max_new_tokens=job.max_new_tokens or chat.max_length, sampling=job.sampling,
                               guidance=guidance, logprobs=job.logprobs, role=question.role)
         except runtime.ChatError as exc:
-            job.emit(Failed(chat_error(exc, job.labels, guided_by)))
+            job.emit(Failed(chat_error(exc, guided_by)))
             return None
         job.emit(Started())
         return _Answering(job, slot, pieces, tools, StopScanner(job.stops),
@@ -241,7 +249,7 @@ class Worker:
             self._finish(answering, stopped=False)
             return True
         except runtime.ChatError as exc:
-            job.emit(Failed(chat_error(exc, job.labels)))
+            job.emit(Failed(chat_error(exc)))
             return True
         text, stopped = answering.stops.feed(piece)
         if answering.calls is not None:
@@ -286,15 +294,9 @@ def _tools_text(job: Job) -> str | None:
     return tools.template_text() if tools is not None and tools.offered else None
 
 
-def chat_error(exc: runtime.ChatError, labels: dict[Path, str], guided_by: str = "response_format") -> ApiError:
-    """The API error for a runtime error; cache paths in its message are replaced by their place in the request
-    (`guided_by`: the field whose grammar a GuidanceError is about)."""
+def chat_error(exc: runtime.ChatError, guided_by: str = "response_format") -> ApiError:
+    """The API error for a runtime error (`guided_by`: the field whose grammar a GuidanceError is about)."""
     message = str(exc)
-    param = None
-    for path, label in labels.items():
-        if str(path) in message:
-            message = message.replace(str(path), label)
-            param = param or label
     if isinstance(exc, runtime.GuidanceError):
         return ApiError(f"{guided_by}: {message}", param=guided_by, code="invalid_schema")
     if isinstance(exc, runtime.ToolsNotSupportedError):
@@ -305,7 +307,7 @@ def chat_error(exc: runtime.ChatError, labels: dict[Path, str], guided_by: str =
     if isinstance(exc, runtime.TagMismatchError):
         return ApiError(message, param="messages", code="invalid_media_tags")
     if isinstance(exc, runtime.UnsupportedMediaError | runtime.MediaNotFoundError):
-        return ApiError(message, param=param, code="invalid_media")
+        return ApiError(message, param=getattr(exc, "source", None) or "messages", code="invalid_media")
     if isinstance(exc, runtime.PackageError):
         return server_error(message)
     return ApiError(message)

@@ -14,7 +14,7 @@ Checks: every request answered in time, and no unexpected error (a reply of the 
 traceback in the server's log); every answer (text, finish reason, token counts) equal to Chat's for the same
 conversation, its questions asked in order after clear(); the server's resident memory at the end no more than
 `rss_tolerance` above the sample taken after the first `warmup` requests, and its thread count not above that
-sample's; exit status 0 on SIGTERM; nothing left in its --media-cache folder after it stopped.
+sample's; exit status 0 on SIGTERM; nothing left in its temporary folder (TMPDIR) after it stopped.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class SoakReport:
     thread_samples: list[tuple[int, int]] = field(default_factory=list)
     warmup: int = 0
     rss_tolerance: float | None = 0.05  # None: memory is reported, not checked
-    leftover_files: list[str] = field(default_factory=list)  # in the media cache after the server stopped
+    leftover_files: list[str] = field(default_factory=list)  # in its temporary folder after the server stopped
     exit_code: int | None = None  # of the server after SIGTERM (None: it had to be killed or never started)
     duration_s: float = 0.0  # of the requests
     latency_s: dict[str, list[float]] = field(default_factory=dict)  # per kind
@@ -97,7 +97,8 @@ class SoakReport:
         if self.exit_code != 0:
             failed.append(f"the server's exit status on SIGTERM was {self.exit_code} (None: killed)")
         if self.leftover_files:
-            failed.append(f"{len(self.leftover_files)} files left in the media cache: {self.leftover_files[:3]}")
+            failed.append(f"{len(self.leftover_files)} files left in the server's temporary folder: "
+                          f"{self.leftover_files[:3]}")
         return failed
 
 
@@ -130,8 +131,8 @@ def run_soak(package: str | Path, *, requests: int, concurrency: int, seed: int,
     with tempfile.TemporaryDirectory(prefix="builder-plugin-soak-", dir=work_dir) as work:
         work = Path(work)
         media = soak_media(work / "media")
-        cache = work / "media-cache"
-        server = ServerProcess(package, cache, work, server_args)
+        server_tmp = work / "server-tmp"
+        server = ServerProcess(package, server_tmp, work, server_args)
         report.server_command = server.command
         traffic = Traffic(requests, seed, media, max_tokens, clients=concurrency)
         run = _Run(server, traffic, report, log)
@@ -154,8 +155,8 @@ def run_soak(package: str | Path, *, requests: int, concurrency: int, seed: int,
             Path(keep_logs).mkdir(parents=True, exist_ok=True)
             for path in (server.stdout_path, server.stderr_path):
                 shutil.copyfile(path, Path(keep_logs) / path.name)
-        if cache.exists():
-            report.leftover_files = sorted(str(p.relative_to(cache)) for p in cache.rglob("*"))
+        report.leftover_files = sorted(str(p.relative_to(server_tmp)) for p in server_tmp.rglob("*")
+                                       if not p.name.startswith(".ses"))  # onnxruntime's telemetry session id
         answered = [e for e in run.exchanges if e.answer is not None]
         report.checked_answers = len(answered)
         log(f"{report.completed} requests in {report.duration_s:.1f} s; server exit status {report.exit_code}; "

@@ -19,11 +19,13 @@ _SERVING = re.compile(r"^serving (\S+) at (http://\S+)$")
 
 
 class ServerProcess:
-    """One server process; its stdout and stderr go to files in `logs` (a pipe nobody reads could fill up)."""
+    """One server process; its stdout and stderr go to files in `logs` (a pipe nobody reads could fill up), its
+    temporary files (TMPDIR) to `tmp` (created), where a client's media would show if the server wrote any."""
 
-    def __init__(self, package: Path, media_cache: Path, logs: Path, server_args: Sequence[str] = ()) -> None:
+    def __init__(self, package: Path, tmp: Path, logs: Path, server_args: Sequence[str] = ()) -> None:
         self.command = [sys.executable, "-m", "builder_plugin.serve", str(package), "--port", "0",
-                        "--host", "127.0.0.1", "--media-cache", str(media_cache), *server_args]
+                        "--host", "127.0.0.1", *server_args]
+        self.tmp = tmp
         self.stdout_path = logs / "server.stdout"
         self.stderr_path = logs / "server.stderr"
         self.process: subprocess.Popen | None = None
@@ -39,7 +41,9 @@ class ServerProcess:
         """Start the server and wait (until `deadline`, time.monotonic) for its "serving MODEL at URL" line."""
         # The server imports the same builder_plugin as this process, wherever it was imported from.
         source = str(Path(builder_plugin.__file__).resolve().parents[1])
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH")) if p)}
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH")) if p),
+               "TMPDIR": str(self.tmp)}
         with open(self.stdout_path, "wb") as stdout, open(self.stderr_path, "wb") as stderr:
             self.process = subprocess.Popen(self.command, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
                                             env=env)

@@ -1,5 +1,6 @@
-"""A real browser for the server's tests: Debian's Chromium, driven through its chromedriver by Selenium (no driver or
-browser download; .ci/run installs both packages), one per test session."""
+"""The server's tests: the Chat behind their servers (one per module, its models loaded once), and a real browser:
+Debian's Chromium, driven through its chromedriver by Selenium (no driver or browser download; .ci/run installs both
+packages), one per test session."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_serve import ProbeChat
+
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
 # Headless as root, and nothing that reaches for the network on its own (the machines have none: without these flags
@@ -17,6 +20,12 @@ CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--disable-dev-shm-usage", "--window-size=1100,800", "--use-fake-device-for-media-stream",
                   "--use-fake-ui-for-media-stream")
+
+
+@pytest.fixture(scope="module")
+def served(tiny_package) -> ProbeChat:
+    """The Chat behind the module's servers (ProbeChat: its gate can hold the worker inside an answer)."""
+    return ProbeChat(tiny_package)
 
 
 @pytest.fixture(scope="session")

@@ -8,6 +8,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import http.server
+import os
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,17 +19,12 @@ import httpx
 import pytest
 
 from builder_plugin.serve.cors import MAX_AGE_S, check_origins
-from tests.test_serve import ProbeChat, running_server
+from tests.test_serve import running_server
 
 KEY = "cors-test-key"
 APP = "https://app.example.com"
 OTHER = "https://elsewhere.example.com"
 CHAT = "/v1/chat/completions"
-
-
-@pytest.fixture(scope="module")
-def served(tiny_package) -> ProbeChat:
-    return ProbeChat(tiny_package)
 
 
 def preflight(url: str, origin: str, path: str = CHAT) -> httpx.Response:
@@ -88,6 +86,29 @@ def test_origins_are_checked():
                 "https://user@a.example", "https://a.example/path", "null"):
         with pytest.raises(ValueError, match=r"^--allowed-origins: '.*' is not an origin: write scheme://host"):
             check_origins([bad])
+
+
+def test_cli_allowed_origins_and_no_ui(tiny_package, tmp_path):
+    bad = subprocess.run([sys.executable, "-m", "builder_plugin.serve", str(tmp_path / "nowhere"),
+                          "--allowed-origins", "https://app.example.com/"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1
+    assert bad.stderr.splitlines() == ["error: --allowed-origins: 'https://app.example.com/' is not an origin: write "
+                                       "scheme://host[:port] in lower case, without a path (e.g. "
+                                       "https://app.example.com), or * for any"]
+    command = [sys.executable, "-m", "builder_plugin.serve", str(tiny_package), "--port", "0", "--no-ui",
+               "--allowed-origins", APP, "--allowed-origins", "http://localhost:3000"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                               env={**os.environ, "TMPDIR": str(tmp_path)})
+    try:
+        url = process.stdout.readline().split(" at ")[1].strip().removesuffix("/v1")
+        lines = [process.stdout.readline() for _ in range(3)]
+        assert lines[-1] == f"browsers on {APP}, http://localhost:3000 may call the server (CORS)\n", lines
+        assert not any("chat page" in line for line in lines)
+        assert httpx.get(f"{url}/").status_code == 404
+        assert preflight(url, "http://localhost:3000").headers["access-control-allow-origin"] == "http://localhost:3000"
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
 
 
 # ---- in a browser -------------------------------------------------------------------------------------------------

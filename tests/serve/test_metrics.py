@@ -10,15 +10,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.test_serve import ProbeChat, ask_server, running_server, user
+from tests.test_serve import ask_server, running_server, user
 from tests.test_serve_access import wait_for
 
 GATEWAY_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
-
-
-@pytest.fixture(scope="module")
-def served(tiny_package) -> ProbeChat:
-    return ProbeChat(tiny_package)
 
 
 def gateway_gauges(url: str) -> dict[str, tuple[str, dict[str, str], float]]:

@@ -20,19 +20,15 @@ import pytest
 from builder_plugin.runtime import Chat
 from builder_plugin.serve.__main__ import make_parser
 from builder_plugin.serve.page import FOLDER
-from tests.test_serve import ProbeChat, ask_chat, last_stats, running_server
+from tests.test_serve import ask_chat, last_stats, running_server
 
 KEY = "page-test-key"
 TOKENS = 100  # max tokens of the page's questions: ~0.5 s of streaming on the tiny package
 LONG = 3000  # of the answer that is stopped: far more than it gets before the stop
 IMAGE = "square.png"
+CLIP = "clip_2s.wav"
 # Screenshots go to the test's folder (removed after a passing run), and to this folder too when it is set.
 SCREENSHOTS_VARIABLE = "BUILDER_PLUGIN_SCREENSHOTS"
-
-
-@pytest.fixture(scope="module")
-def served(tiny_package) -> ProbeChat:
-    return ProbeChat(tiny_package)
 
 
 @pytest.fixture(scope="module")
@@ -178,7 +174,7 @@ def test_chat_in_a_browser(browser, served, chat, media_dir, tmp_path):
     from selenium.webdriver.common.by import By
 
     driver = browser
-    image = media_dir / IMAGE
+    image, clip = media_dir / IMAGE, media_dir / CLIP
     with running_server(served, tmp_path, api_keys=[KEY]) as running:
         driver.get(f"{running.url}/")
         notice = wait_until(lambda: by_id(driver, "notice").is_displayed() and by_id(driver, "notice").text,
@@ -201,18 +197,21 @@ def test_chat_in_a_browser(browser, served, chat, media_dir, tmp_path):
         assert reply["meta"]["usage"]["completion_tokens"] == expected[0].completion_tokens
         assert first["title"] == "What is a lighthouse?"
 
-        # a picture attached through the file input: sent as it is, answered in the same conversation
-        by_id(driver, "attach").send_keys(str(image))
-        wait_until(lambda: driver.find_elements(By.CSS_SELECTOR, "#attachments li"), "the attachment")
-        ask(driver, "Describe the picture.")
+        # a picture and a clip attached through the file input: sent as they are, answered in the same conversation
+        for path in (image, clip):
+            by_id(driver, "attach").send_keys(str(path))
+            wait_until(lambda name=path.name: name in by_id(driver, "attachments").text, f"{path.name} attached")
+        ask(driver, "Describe the picture and the sound.")
         messages = stored(driver)[0]["messages"]
-        picture, text = messages[2]["content"]
+        picture, sound, text = messages[2]["content"]
         assert picture["image_url"]["url"] == "data:image/png;base64," + base64.b64encode(image.read_bytes()).decode()
-        assert text == {"type": "text", "text": "Describe the picture."}
-        expected = ask_chat(chat, [("What is a lighthouse?", (), ()), ("Describe the picture.", (image,), ())],
-                            max_new_tokens=TOKENS)
+        assert sound["input_audio"] == {"data": base64.b64encode(clip.read_bytes()).decode(), "format": "wav"}
+        assert text == {"type": "text", "text": "Describe the picture and the sound."}
+        expected = ask_chat(chat, [("What is a lighthouse?", (), ()),
+                                   ("Describe the picture and the sound.", (image,), (clip,))], max_new_tokens=TOKENS)
         assert messages[3]["content"] == expected[1].text and messages[3]["meta"]["state"] == "done"
         assert driver.find_elements(By.CSS_SELECTOR, "#messages article.user img")
+        assert driver.find_elements(By.CSS_SELECTOR, "#messages article.user audio")
         screenshot(driver, tmp_path, "chat.png")
 
         # the microphone (Chromium's fake one: a beep), sent as 16-bit PCM WAV, mono, 16 kHz
@@ -254,7 +253,7 @@ def test_chat_in_a_browser(browser, served, chat, media_dir, tmp_path):
         driver.find_elements(By.CSS_SELECTOR, "#conversation-list .open")[1].click()
         shown = [a.find_element(By.CLASS_NAME, "text").text
                  for a in driver.find_elements(By.CSS_SELECTOR, "#messages article.user")]
-        assert shown == ["What is a lighthouse?", "Describe the picture.", "What do you hear?"]
+        assert shown == ["What is a lighthouse?", "Describe the picture and the sound.", "What do you hear?"]
         assert [state for state, _ in answers(driver)] == ["done"] * 3
         driver.refresh()
         wait_until(lambda: by_id(driver, "model").text == running.routes.model_id, "the page to load again")

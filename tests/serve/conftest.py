@@ -40,6 +40,7 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     options.binary_location = str(CHROMIUM)
     for flag in (*CHROMIUM_FLAGS, f"--user-data-dir={folder / 'profile'}"):
         options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # the console, read by driver.get_log("browser")
     # Chromium's own temporary files go to its folder, not to the session's temp folder (checked empty at the end).
     service = Service(str(CHROMEDRIVER), env={**os.environ, "TMPDIR": str(folder)})
     driver = webdriver.Chrome(service=service, options=options)

@@ -175,6 +175,7 @@ def test_chat_in_a_browser(browser, served, chat, media_dir, tmp_path):
 
     driver = browser
     image, clip = media_dir / IMAGE, media_dir / CLIP
+    driver.get_log("browser")  # what earlier tests left in the console
     with running_server(served, tmp_path, api_keys=[KEY]) as running:
         driver.get(f"{running.url}/")
         notice = wait_until(lambda: by_id(driver, "notice").is_displayed() and by_id(driver, "notice").text,
@@ -277,6 +278,9 @@ def test_chat_in_a_browser(browser, served, chat, media_dir, tmp_path):
         driver.find_elements(By.CSS_SELECTOR, "#conversation-list .delete")[0].click()
         driver.switch_to.alert.accept()
         assert conversations() == ["What is a lighthouse?"] and [c["title"] for c in stored(driver)] == conversations()
+    # no script error and nothing the Content-Security-Policy blocked (network: the 401 of the first, keyless call)
+    console = [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
+    assert all(entry["source"] == "network" and " 401 " in entry["message"] for entry in console), console
 
 
 def test_errors_are_shown_with_the_answer(browser, served, tmp_path):

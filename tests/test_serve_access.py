@@ -268,7 +268,7 @@ def test_every_chat_response_is_counted_once_with_the_status_the_client_got():
         return StreamingResponse(iter(["data: 1\n\n", "data: [DONE]\n\n"]), media_type="text/event-stream")
 
     metrics = Metrics(queue_depth=lambda: 0, active_requests=lambda: 0, live_conversations=lambda: 0,
-                      kv_bytes=lambda: 0)
+                      kv_bytes=lambda: 0, kv_usage=lambda: 0.0, model_name="m")
     handlers = {Exception: served._unexpected_error}
     app = Starlette(routes=[Route(CHAT_URL, chat_route, methods=["POST"]), Route("/other", chat_route)],
                     exception_handlers=handlers, middleware=[Middleware(CountChatResponses, metrics=metrics)])

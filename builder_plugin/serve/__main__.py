@@ -61,10 +61,15 @@ def make_parser() -> argparse.ArgumentParser:
                    help="longest answer of a request without max_tokens; a request may ask for less, or for more "
                    "up to the maximum length (default: %(default)s)")
     p.add_argument("--api-key", action="append", metavar="KEY", dest="api_keys",
-                   help="require `Authorization: Bearer KEY` on every request but GET /health (others get 401); "
-                   f"repeat for several keys. Without --api-key, the comma-separated keys of ${API_KEYS_VARIABLE} "
-                   "are required if it is set and not empty (it keeps the keys out of the process list); "
-                   "without either, every request is accepted")
+                   help="require `Authorization: Bearer KEY` on every API request (others get 401; GET /health "
+                   "and the chat page stay open); repeat for several keys. Without --api-key, the comma-separated "
+                   f"keys of ${API_KEYS_VARIABLE} are required if it is set and not empty (it keeps the keys out "
+                   "of the process list); without either, every request is accepted")
+    p.add_argument("--allowed-origins", action="append", metavar="ORIGINS",
+                   help="browser origins (comma-separated, or repeat; e.g. https://app.example.com, * for any) whose "
+                   "pages may call the server (CORS; preflights are answered without a key); default: none")
+    p.add_argument("--no-ui", dest="ui", action="store_false",
+                   help="do not serve the chat page at / (the API only)")
     p.add_argument("-e", "--execution-provider", choices=EXECUTION_PROVIDERS, default=None,
                    help="run on this provider (default: the one the package was built for)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
@@ -92,6 +97,7 @@ def serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from builder_plugin.serve.app import MB, Server
+        from builder_plugin.serve.cors import check_origins
         from builder_plugin.serve.pool import GB
         from builder_plugin.serve.shutdown import StoppableServer, interrupting_signals
     except ImportError as exc:
@@ -118,6 +124,7 @@ def serve(args: argparse.Namespace) -> int:
     limits = replace(LIMITS, max_image_pixels=int(args.max_image_megapixels * 1e6),
                      max_audio_seconds=args.max_audio_seconds, decode_seconds=args.media_timeout)
     api_keys = requested_keys(args.api_keys, os.environ)
+    origins = check_origins(args.allowed_origins or ())
     with interrupting_signals():  # stopped while loading: main() returns 130, nothing is left behind
         chat = Chat(args.package, max_length=args.max_length, execution_provider=args.execution_provider,
                     threads=args.threads)
@@ -129,16 +136,22 @@ def serve(args: argparse.Namespace) -> int:
             budget = int(args.kv_budget_gb * GB) if args.kv_budget_gb is not None else None
             routes = Server(chat, cache, max_queue=args.max_queue, max_body_bytes=int(args.max_body_mb * MB),
                             allow_local_files=args.allow_local_files, max_tokens=args.max_tokens,
-                            max_conversations=args.max_conversations, kv_budget_bytes=budget, api_keys=api_keys)
+                            max_conversations=args.max_conversations, kv_budget_bytes=budget, api_keys=api_keys,
+                            ui=args.ui, allowed_origins=origins)
             server = StoppableServer(uvicorn.Config(routes.app(), log_level="debug" if args.verbose else "info",
                                                     timeout_graceful_shutdown=args.drain_seconds + 5))
             server.drain = functools.partial(routes.worker.drain, args.drain_seconds, wait=True)
             print(f"serving {routes.model_id} at http://{host}:{port}/v1", flush=True)
-            print(f"API keys: {len(api_keys)} accepted, required on every request but GET /health" if api_keys else
+            print(f"API keys: {len(api_keys)} accepted, required on every request but GET /health and the page"
+                  if api_keys else
                   f"API keys: none (every request is accepted; --api-key or ${API_KEYS_VARIABLE} requires one)",
                   flush=True)
             print(f"up to {routes.pool.max_conversations} conversations at once, their KV caches kept under "
                   f"{routes.pool.kv_budget_bytes / GB:.2f} GB", flush=True)
+            if routes.page is not None:
+                print(f"chat page at http://{host}:{port}/ (--no-ui turns it off)", flush=True)
+            if origins:
+                print(f"browsers on {', '.join(origins)} may call the server (CORS)", flush=True)
             server.run(sockets=[listener])
         finally:
             cache.close()  # also done by the app's shutdown; here too in case it did not run

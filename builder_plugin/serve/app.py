@@ -1,6 +1,6 @@
-"""The ASGI app: /v1/chat/completions (JSON or server-sent events), /v1/models, /health and /metrics, in front of one
-Worker that answers in the kept conversations of a ConversationPool; with API keys, every route but /health needs
-one."""
+"""The ASGI app: /v1/chat/completions (JSON or server-sent events), /v1/models, /health, /metrics and the chat page
+(/), in front of one Worker that answers in the kept conversations of a ConversationPool; with API keys, every route
+but /health and the page needs one; with allowed origins, browsers on them may call it (CORS)."""
 
 from __future__ import annotations
 
@@ -24,10 +24,12 @@ from starlette.routing import Route
 
 from builder_plugin.runtime import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Chat, TokenLogprob
 from builder_plugin.serve import defaults
-from builder_plugin.serve.auth import BearerAuth, check_keys
+from builder_plugin.serve.auth import OPEN, BearerAuth, check_keys
+from builder_plugin.serve.cors import check_origins, cors_middleware
 from builder_plugin.serve.errors import ApiError
 from builder_plugin.serve.media import MediaCache, MediaReader
 from builder_plugin.serve.metrics import CountChatResponses, Metrics
+from builder_plugin.serve.page import ChatPage
 from builder_plugin.serve.pool import ConversationPool, available_memory, default_kv_budget
 from builder_plugin.serve.protocol import ChatCompletionRequest, Reply, parse_conversation, parse_request, usage
 from builder_plugin.serve.tools import stream_deltas
@@ -44,12 +46,14 @@ class ClientGone(Exception):
 
 class Server:
     """The routes and the state they share: the Chat (and its siblings in the pool) behind one Worker, the media
-    cache and the limits. `kv_budget_bytes` None: the pool's default (pool.default_kv_budget)."""
+    cache and the limits. `kv_budget_bytes` None: the pool's default (pool.default_kv_budget); `ui`: serve the chat
+    page; `allowed_origins`: the browser origins that may call the server (none: CORS is off; `*`: any)."""
 
     def __init__(self, chat: Chat, media_cache: MediaCache, *, model_id: str | None = None,
                  max_queue: int = defaults.MAX_QUEUE, max_body_bytes: int = 32 * MB, allow_local_files: bool = False,
                  max_tokens: int | None = None, max_conversations: int = defaults.MAX_CONVERSATIONS,
-                 kv_budget_bytes: int | None = None, api_keys: Sequence[str] = ()) -> None:
+                 kv_budget_bytes: int | None = None, api_keys: Sequence[str] = (), ui: bool = True,
+                 allowed_origins: Sequence[str] = ()) -> None:
         self.chat = chat
         self.model_id = model_id or Path(chat.package_dir).resolve().name
         self.media_cache = media_cache
@@ -60,9 +64,13 @@ class Server:
         self.pool = ConversationPool(chat, max_conversations, budget)
         self.worker = Worker(self.pool, max_queue)
         self.api_keys = check_keys(api_keys)  # none: every request is accepted
+        self.page = ChatPage() if ui else None
+        self.allowed_origins = check_origins(allowed_origins)
         self.metrics = Metrics(queue_depth=lambda: self.worker.waiting, active_requests=lambda: self.worker.answering,
                                live_conversations=lambda: self.pool.live_conversations,
-                               kv_bytes=lambda: self.pool.kv_bytes)
+                               kv_bytes=lambda: self.pool.kv_bytes,
+                               kv_usage=lambda: min(1.0, self.pool.kv_bytes / self.pool.kv_budget_bytes),
+                               model_name=self.model_id)
 
     def app(self) -> Starlette:
         @contextlib.asynccontextmanager
@@ -80,12 +88,16 @@ class Server:
             Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_text, methods=["GET"]),
+            *(self.page.routes() if self.page is not None else ()),
         ]
         handlers = {HTTPException: _http_error, ApiError: _api_error, ClientGone: _client_gone,
                     Exception: _unexpected_error}
-        middleware = [Middleware(CountChatResponses, metrics=self.metrics)]  # outermost: it also counts the 401s
+        # outermost: CORS answers preflights (never counted nor asked for a key) and adds its headers to every answer
+        middleware = [cors_middleware(self.allowed_origins)] if self.allowed_origins else []
+        middleware.append(Middleware(CountChatResponses, metrics=self.metrics))  # it also counts the 401s
         if self.api_keys:
-            middleware.append(Middleware(BearerAuth, keys=self.api_keys))
+            open_paths = OPEN | (self.page.open_paths if self.page is not None else frozenset())
+            middleware.append(Middleware(BearerAuth, keys=self.api_keys, open_paths=open_paths))
         return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware, lifespan=lifespan)
 
     # ---- routes --------------------------------------------------------------------------------------------------

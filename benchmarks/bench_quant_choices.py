@@ -50,7 +50,7 @@ from common import (  # noqa: E402
 )
 
 from builder_plugin.layout import DATA_FILES, Component  # noqa: E402
-from builder_plugin.quant.choices import DEFAULT_ALGO_CONFIG  # noqa: E402
+from builder_plugin.quant_choices import DEFAULT_ALGO_CONFIG  # noqa: E402
 
 # name -> (precision, --extra_options); the names are what --choices takes
 CHOICES: dict[str, tuple[str, tuple[str, ...]]] = {

@@ -81,7 +81,7 @@ def chat_worker(job: dict[str, Any]) -> dict[str, Any]:
     started = time.perf_counter()
     chat = Chat(job["package"], max_length=job["max_length"], threads=job["threads"])
     if job.get("spin"):  # the same overlay with spinning on in every section it sets
-        for section in chat._thread_overlay.values():
+        for section in chat.package.thread_overlay.values():
             section["session_options"][SPINNING_KEY] = "1"
     variant = chat.variant_for(has_image=False, has_audio=False)
     chat.load(variant)

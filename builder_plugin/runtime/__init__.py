@@ -8,7 +8,9 @@ builder code).
 from builder_plugin.layout import GENAI_CONFIG_FILE, MANIFEST_FILE, mode_of
 from builder_plugin.layout import INPUT_MODES as MODES
 from builder_plugin.media import Media, MediaDecoder, MediaLimits
-from builder_plugin.runtime.chat import FOLLOW_UP_ROOM, Chat, Generation, Sampling, Stats, generate
+from builder_plugin.runtime.chat import FOLLOW_UP_ROOM, Answering, Chat, Generation, generate
+from builder_plugin.runtime.conversation import Conversation
+from builder_plugin.runtime.decoding import Sampling, Stats, Step
 from builder_plugin.runtime.errors import (
     ChatError,
     GuidanceError,
@@ -22,6 +24,7 @@ from builder_plugin.runtime.errors import (
 from builder_plugin.runtime.guidance import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Guidance
 from builder_plugin.runtime.manifest import Manifest
 from builder_plugin.runtime.media import default_decoder, og_audios, og_images, open_audio, open_image
+from builder_plugin.runtime.package import Package
 from builder_plugin.runtime.prompt import TOOL, USER, Turn, build_prompt, check_tags, tool_results, user_content
 from builder_plugin.runtime.tokens import MAX_TOP_LOGPROBS, Alternative, TokenLogprob
 
@@ -36,8 +39,10 @@ __all__ = [
     "TOOL_CALL_OPEN",
     "USER",
     "Alternative",
+    "Answering",
     "Chat",
     "ChatError",
+    "Conversation",
     "Generation",
     "Guidance",
     "GuidanceError",
@@ -46,10 +51,12 @@ __all__ = [
     "MediaDecoder",
     "MediaLimits",
     "MediaNotFoundError",
+    "Package",
     "PackageError",
     "PromptTooLongError",
     "Sampling",
     "Stats",
+    "Step",
     "TagMismatchError",
     "TokenLogprob",
     "ToolsNotSupportedError",

@@ -104,7 +104,7 @@ def serve(args: argparse.Namespace) -> int:
         raise RuntimeError(f"{exc.name} is missing: install the serve extra (pip install -e \".[serve]\")") from None
 
     from builder_plugin.media import MediaDecoder
-    from builder_plugin.runtime import Chat
+    from builder_plugin.runtime import Package
     from builder_plugin.serve.media import MediaCache
 
     if args.max_queue < 1:
@@ -126,15 +126,15 @@ def serve(args: argparse.Namespace) -> int:
     api_keys = requested_keys(args.api_keys, os.environ)
     origins = check_origins(args.allowed_origins or ())
     with interrupting_signals():  # stopped while loading: main() returns 130, nothing is left behind
-        chat = Chat(args.package, max_length=args.max_length, execution_provider=args.execution_provider,
-                    threads=args.threads)
-        chat.load(chat.variant_for(has_image=False, has_audio=False))  # the first text request does not wait for it
+        package = Package(args.package, max_length=args.max_length, execution_provider=args.execution_provider,
+                          threads=args.threads)
+        package.load(package.variant_for(has_image=False, has_audio=False))  # the first request does not wait for it
         listener = socket.create_server((args.host, args.port))
         host, port = listener.getsockname()[:2]
         cache = MediaCache(MediaDecoder(limits, processes=defaults.MEDIA_PROCESSES), int(args.media_cache_mb * MB))
         try:
             budget = int(args.kv_budget_gb * GB) if args.kv_budget_gb is not None else None
-            routes = Server(chat, cache, max_queue=args.max_queue, max_body_bytes=int(args.max_body_mb * MB),
+            routes = Server(package, cache, max_queue=args.max_queue, max_body_bytes=int(args.max_body_mb * MB),
                             allow_local_files=args.allow_local_files, max_tokens=args.max_tokens,
                             max_conversations=args.max_conversations, kv_budget_bytes=budget, api_keys=api_keys,
                             ui=args.ui, allowed_origins=origins)

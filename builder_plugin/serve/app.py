@@ -11,7 +11,6 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
@@ -22,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from builder_plugin.runtime import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Chat, TokenLogprob
+from builder_plugin.runtime import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Chat, Package, TokenLogprob
 from builder_plugin.serve import defaults
 from builder_plugin.serve.auth import OPEN, BearerAuth, check_keys
 from builder_plugin.serve.cors import check_origins, cors_middleware
@@ -31,7 +30,7 @@ from builder_plugin.serve.media import MediaCache, MediaReader
 from builder_plugin.serve.metrics import CountChatResponses, Metrics
 from builder_plugin.serve.page import ChatPage
 from builder_plugin.serve.pool import ConversationPool, available_memory, default_kv_budget
-from builder_plugin.serve.protocol import ChatCompletionRequest, Reply, parse_conversation, parse_request, usage
+from builder_plugin.serve.protocol import ChatRequest, Reply, parse_messages, parse_request, usage
 from builder_plugin.serve.tools import stream_deltas
 from builder_plugin.serve.worker import Event, Failed, Finished, Job, Piece, Started, ToolCalls, Worker
 
@@ -45,23 +44,24 @@ class ClientGone(Exception):
 
 
 class Server:
-    """The routes and the state they share: the Chat (and its siblings in the pool) behind one Worker, the media
-    cache and the limits. `kv_budget_bytes` None: the pool's default (pool.default_kv_budget); `ui`: serve the chat
-    page; `allowed_origins`: the browser origins that may call the server (none: CORS is off; `*`: any)."""
+    """The routes and the state they share: the opened package, its conversations in the pool behind one Worker, the
+    media cache and the limits. `kv_budget_bytes` None: the pool's default (pool.default_kv_budget); `ui`: serve the
+    chat page; `allowed_origins`: the browser origins that may call the server (none: CORS is off; `*`: any);
+    `new_chat` makes the pool's Chats (a test may hold them)."""
 
-    def __init__(self, chat: Chat, media_cache: MediaCache, *, model_id: str | None = None,
+    def __init__(self, package: Package, media_cache: MediaCache, *, model_id: str | None = None,
                  max_queue: int = defaults.MAX_QUEUE, max_body_bytes: int = 32 * MB, allow_local_files: bool = False,
                  max_tokens: int | None = None, max_conversations: int = defaults.MAX_CONVERSATIONS,
                  kv_budget_bytes: int | None = None, api_keys: Sequence[str] = (), ui: bool = True,
-                 allowed_origins: Sequence[str] = ()) -> None:
-        self.chat = chat
-        self.model_id = model_id or Path(chat.package_dir).resolve().name
+                 allowed_origins: Sequence[str] = (), new_chat: Callable[[Package], Chat] = Chat) -> None:
+        self.package = package
+        self.model_id = model_id or package.dir.resolve().name
         self.media_cache = media_cache
         self.max_body_bytes = max_body_bytes
         self.allow_local_files = allow_local_files
         self.max_tokens = max_tokens  # of a request without max_tokens (None: up to the maximum length)
-        budget = kv_budget_bytes or default_kv_budget(chat, max_conversations, available_memory())
-        self.pool = ConversationPool(chat, max_conversations, budget)
+        budget = kv_budget_bytes or default_kv_budget(package, max_conversations, available_memory())
+        self.pool = ConversationPool(package, max_conversations, budget, new_chat)
         self.worker = Worker(self.pool, max_queue)
         self.api_keys = check_keys(api_keys)  # none: every request is accepted
         self.page = ChatPage() if ui else None
@@ -141,36 +141,33 @@ class Server:
         finished = answer.finished
         return JSONResponse(reply.completion(answer.text or (None if answer.calls else ""), finished.finish_reason,
                                              usage(finished.prompt_tokens, finished.completion_tokens),
-                                             answer.calls, answer.logprobs if job.logprobs is not None else None))
+                                             answer.calls, answer.logprobs if parsed.logprobs is not None else None))
 
-    async def _submit(self, parsed: ChatCompletionRequest, media: MediaReader,
+    async def _submit(self, parsed: ChatRequest, media: MediaReader,
                       received: float) -> tuple[Job, asyncio.Queue[Event]]:
         """Parse the messages (decoding their media) and queue the job; raises ApiError (400, 429).
         `received`: the perf_counter time the request arrived (of the time-to-first-token metric)."""
-        tools = parsed.tool_spec
-        if tools is not None and tools.offered and not await run_in_threadpool(self._has_tool_tokens):
+        if parsed.tools is not None and not await run_in_threadpool(self._has_tool_tokens):
             raise ApiError(f"tools: this model's tokenizer has no tool-call tokens ({TOOL_CALL_OPEN}, "
                            f"{TOOL_CALL_CLOSE}), so it cannot call tools", param="tools", code="tools_not_supported")
-        conversation = await run_in_threadpool(parse_conversation, parsed.messages, media)
-        if conversation.has_audio and not self.chat.has_speech:
+        exchange = await run_in_threadpool(parse_messages, parsed.messages, media)
+        if exchange.has_audio and not self.package.has_speech:
             raise ApiError("this model has no speech encoder, so it cannot take audio", param="messages",
                            code="audio_not_supported")
         events: asyncio.Queue[Event] = asyncio.Queue()
-        job = Job(conversation, emit=_recording(self.metrics, received, _emitter(asyncio.get_running_loop(), events)),
-                  max_new_tokens=parsed.max_new_tokens or self.max_tokens, sampling=parsed.sampling,
-                  stops=parsed.stop_strings, guidance=parsed.guidance, tools=tools,
-                  logprobs=parsed.top)
+        job = Job(parsed, exchange, _recording(self.metrics, received, _emitter(asyncio.get_running_loop(), events)),
+                  max_new_tokens=parsed.max_new_tokens or self.max_tokens)
         self.worker.submit(job)
         return job, events
 
     # ---- helpers -------------------------------------------------------------------------------------------------
 
     def _has_tool_tokens(self) -> bool:
-        return {TOOL_CALL_OPEN, TOOL_CALL_CLOSE} <= self.chat.token_bytes.added
+        return self.package.load(self.package.main_decoder).tokens.tool_call is not None
 
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.model_id, "object": "model", "created": 0, "owned_by": "builder_plugin",
-                "max_tokens": self.max_tokens or self.chat.max_length, "max_length": self.chat.max_length}
+                "max_tokens": self.max_tokens or self.package.max_length, "max_length": self.package.max_length}
 
     async def _read_body(self, request: Request) -> bytes:
         too_large = ApiError(f"the request body is larger than the limit of {self.max_body_bytes / MB:g} MB "
@@ -265,7 +262,7 @@ async def _disconnected(request: Request) -> None:
 async def _stream(job: Job, events: asyncio.Queue[Event], reply: Reply, include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events: a role chunk, content chunks, a finish chunk, a usage chunk when asked, then [DONE].
     Starlette cancels this when the client disconnects; the job is then cancelled too."""
-    logprobs = job.logprobs is not None
+    logprobs = job.request.logprobs is not None
     try:
         yield _sse(reply.chunk({"role": "assistant", "content": ""}))
         while True:

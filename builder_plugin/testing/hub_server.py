@@ -14,8 +14,9 @@ What it answers, as the hub does:
 - Errors with the hub's ``X-Error-Code``: ``RepoNotFound`` (401, as the hub answers an anonymous client),
   ``RevisionNotFound`` / ``EntryNotFound`` (404), ``GatedRepo`` (401 without a token, 403 with one).
 
-Faults for tests: `cut` drops the connection when a file's transfer reaches a byte offset; `fail` answers a status
-(e.g. 500) to a repository's requests; each for a number of requests or until `clear_faults`.
+Faults for tests: `cut` drops the connection when a file's transfer reaches a byte offset; `corrupt` changes the byte
+at an offset in the transfers that carry it (the size stays right, as when a proxy or a link garbles data); `fail`
+answers a status (e.g. 500) to a repository's requests; each for a number of requests or until `clear_faults`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import parse_qs, quote, unquote
@@ -87,10 +88,10 @@ class LoggedRequest:
 
 @dataclass
 class _Fault:
-    kind: str  # "cut" or "status"
+    kind: str  # "cut", "corrupt" or "status"
     repo_id: str
-    path: str | None  # cut: the file; status: None = every request of the repository
-    value: int  # cut: byte offset of the file; status: the HTTP status
+    path: str | None  # cut, corrupt: the file; status: None = every request of the repository
+    value: int  # cut, corrupt: byte offset of the file; status: the HTTP status
     remaining: int | None  # requests left to hit; None = until cleared
 
 
@@ -138,6 +139,12 @@ class LocalHub:
         with self._lock:
             self._faults.append(_Fault("cut", repo_id, path, at_byte, times))
 
+    def corrupt(self, repo_id: str, path: str, at_byte: int, times: int | None = 1) -> None:
+        """Send byte `at_byte` of `path` inverted (every bit flipped) in the next `times` transfers that carry that
+        byte (None: until `clear_faults`); a transfer that stops or starts elsewhere does not count."""
+        with self._lock:
+            self._faults.append(_Fault("corrupt", repo_id, path, at_byte, times))
+
     def fail(self, repo_id: str, status: int = 500, times: int | None = None) -> None:
         """Answer `status` to every request about `repo_id` (API and files) for `times` requests."""
         with self._lock:
@@ -176,10 +183,12 @@ class LocalHub:
                 paths.append("/".join(parts[4:]))
         return paths
 
-    def _take_fault(self, kind: str, repo_id: str, path: str | None) -> _Fault | None:
+    def _take_fault(self, kind: str, repo_id: str, path: str | None,
+                    applies: Callable[[int], bool] = lambda value: True) -> _Fault | None:
         with self._lock:
             for fault in self._faults:
-                if fault.kind == kind and fault.repo_id == repo_id and fault.path in (None, path):
+                if fault.kind == kind and fault.repo_id == repo_id and fault.path in (None, path) and applies(
+                        fault.value):
                     if fault.remaining is not None:
                         fault.remaining -= 1
                         if fault.remaining <= 0:
@@ -244,7 +253,7 @@ class LocalHub:
                 sent = len(response.body)
                 await send({"type": "http.response.body", "body": response.body})
                 return
-            hub_file, start, stop, cut_at = response.body
+            hub_file, start, stop, cut_at, flip_at = response.body
             with open(hub_file.source, "rb") as f:
                 f.seek(start)
                 position = start
@@ -253,6 +262,10 @@ class LocalHub:
                     if cut_at is not None and cut_at < end:
                         end = cut_at
                     chunk = f.read(end - position)
+                    if flip_at is not None and position <= flip_at < end:
+                        chunk = bytearray(chunk)
+                        chunk[flip_at - position] ^= 0xFF
+                        chunk = bytes(chunk)
                     if chunk:
                         await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     sent += len(chunk)
@@ -268,11 +281,11 @@ class LocalHub:
 
     def _route(self, request: _Request) -> _Response:
         parts = request.path.strip("/").split("/")
-        if request.storage:  # /{sha256}: the storage host that LFS redirects point at
-            hub_file = self._by_sha256.get(parts[-1])
+        if request.storage:  # /{sha256}?repo=...: the storage host that LFS redirects point at
+            repo_id = request.query.get("repo", [""])[0]
+            hub_file = self._lfs_file(repo_id, parts[-1])
             if hub_file is None:
                 return _Response.error(404, "EntryNotFound", "not found")
-            repo_id = request.query.get("repo", [""])[0]
             return self._file_response(request, hub_file, repo_id, {})
         if parts[:2] == ["api", "models"] and len(parts) >= 4:
             repo_id = "/".join(parts[2:4])
@@ -292,6 +305,15 @@ class LocalHub:
             return self._api(request, repo, rest)
         revision, path = unquote(rest[1]), "/".join(rest[2:])
         return self._resolve(request, repo, revision, path)
+
+    def _lfs_file(self, repo_id: str, sha256: str) -> HubFile | None:
+        """The repository's file with these bytes (another repository's copy may be gone from disk: a test's folder)."""
+        repo = self.repos.get(repo_id)
+        for files in repo.commits.values() if repo else ():
+            for hub_file in files.values():
+                if hub_file.sha256 == sha256:
+                    return hub_file
+        return None
 
     def _api(self, request: _Request, repo: HubRepo, rest: list[str]) -> _Response:
         revision = "main"
@@ -357,12 +379,16 @@ class LocalHub:
             status = 206
             headers["Content-Range"] = f"bytes {start}-{stop - 1}/{hub_file.size}"
         headers["Content-Length"] = stop - start
-        cut_at = None
+        cut_at = flip_at = None
         if request.method == "GET":
             fault = self._take_fault("cut", repo_id, hub_file.path)
             if fault is not None:
                 cut_at = max(fault.value, start)
-        return _Response(status, headers, (hub_file, start, stop, cut_at))
+            sent_end = stop if cut_at is None else cut_at
+            fault = self._take_fault("corrupt", repo_id, hub_file.path, lambda at: start <= at < sent_end)
+            if fault is not None:
+                flip_at = fault.value
+        return _Response(status, headers, (hub_file, start, stop, cut_at, flip_at))
 
 
 @dataclass(frozen=True)
@@ -378,7 +404,7 @@ class _Request:
 class _Response:
     status: int
     headers: dict
-    body: object  # bytes, None, or (HubFile, start, stop, cut_at)
+    body: object  # bytes, None, or (HubFile, start, stop, cut_at, flip_at)
 
     @classmethod
     def json(cls, data: object) -> _Response:

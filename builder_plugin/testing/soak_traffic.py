@@ -173,13 +173,13 @@ def bad_cases(media: Media) -> tuple[BadCase, ...]:
         BadCase("malformed JSON", 400, "invalid_json", "not valid JSON", raw=b'{"messages": [{"role": "user", '),
         BadCase("unknown model", 404, "model_not_found", "'gpt-5' is not served", {"model": "gpt-5",
                                                                                    "messages": [hi]}),
-        BadCase("not an image", 400, "invalid_image_format", "not a PNG or JPEG", {"messages": [
+        BadCase("not an image", 400, "invalid_image_format", "not a readable image", {"messages": [
             image_of(media.not_image)]}),
-        BadCase("text as a JPEG", 400, "invalid_image_format", "not a PNG or JPEG", {"messages": [
+        BadCase("text as a JPEG", 400, "invalid_image_format", "not a readable image", {"messages": [
             image_of(b"plain text, no picture", "image/jpeg")]}),
         BadCase("bad base64", 400, "invalid_base64", "not valid base64", {"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "data:image/png;base64,not base64!"}}]}]}),
-        BadCase("not audio", 400, "invalid_media", "not a WAV, MP3 or FLAC", {"messages": [not_audio]}),
+        BadCase("not audio", 400, "invalid_audio_format", "not a readable audio clip", {"messages": [not_audio]}),
         BadCase("assistant last", 400, None, "the last message must be a user or tool message", {"messages": [
             hi, {"role": "assistant", "content": "Hello"}]}),
         BadCase("unknown role", 400, None, "unsupported role 'function'", {"messages": [

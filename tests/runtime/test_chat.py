@@ -24,6 +24,7 @@ from builder_plugin.runtime import (
     Turn,
     UnsupportedMediaError,
     build_prompt,
+    open_audio,
     open_image,
     tool_results,
 )
@@ -129,7 +130,8 @@ def test_generation_matches_reference(layout, chat, split_chat, reference, media
     chat = {"routed": chat, "split": split_chat}[layout]
     images = [media_dir / name for name in images]
     audios = [media_dir / name for name in audios]
-    prompt = build_prompt([Turn("Describe what you get.", tuple(images), tuple(audios))])
+    prompt = build_prompt([Turn("Describe what you get.", tuple(map(open_image, images)),
+                                tuple(map(open_audio, audios)))])
     generation = chat.generate(prompt, images, audios, max_new_tokens=5)
 
     assert generation.variant == (SPLIT_DECODERS[mode] if layout == "split" else MAIN_DECODER)
@@ -307,5 +309,5 @@ def test_tools_are_rendered_by_the_package_template(package, conversation_with_t
                 {"role": "tool", "content": '{"temperature": 21}'}, {"role": "tool", "content": '{"sky": "clear"}'}]
     prompt = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert hf.decode(chat.token_ids) == prompt + answer
-    assert build_prompt(chat.turns, chat.system, chat._header(chat._load(chat.next_variant()))) == \
-        prompt + answer + "<|end|>"  # the turns rebuild the same prompt
+    header = chat.package.load(chat.next_variant()).tool_header(chat.system, chat.tools)
+    assert build_prompt(chat.turns, chat.system, header) == prompt + answer + "<|end|>"  # the turns rebuild the prompt

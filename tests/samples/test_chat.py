@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from builder_plugin.layout import INPUT_IDS, MAIN_DECODER
-from builder_plugin.runtime import Turn, build_prompt, generate
+from builder_plugin.runtime import Turn, build_prompt, generate, open_audio, open_image
 
 CHAT = Path(__file__).resolve().parents[2] / "samples" / "chat.py"
 TIMEOUT_S = 300
@@ -42,7 +42,7 @@ def test_prompt_mode_with_image_and_audio(package, media_dir, reference):
     assert int(stats[1]) == 6 and stats[4] == MAIN_DECODER
 
     # The printed answer is the reference model's greedy answer (vision LoRA, vision audio projection).
-    prompt = build_prompt([Turn("What do you see and hear?", (image,), (audio,))])
+    prompt = build_prompt([Turn("What do you see and hear?", (open_image(image),), (open_audio(audio),))])
     expected = generate(package, prompt, [image], [audio], max_new_tokens=6)
     assert int(stats[2]) == expected.inputs[INPUT_IDS].shape[1]
     greedy = reference.prefill_and_greedy(expected.inputs, max_new_tokens=6)

@@ -1,6 +1,6 @@
-"""The server's tests: the Chat behind their servers (one per module, its models loaded once), and a real browser:
-Debian's Chromium, driven through its chromedriver by Selenium (no driver or browser download; .ci/run installs both
-packages), one per test session."""
+"""The server's tests: the package behind their servers and its Chats (a Probe, one per module: the models load once),
+the yardstick Chat, a running server, and a real browser: Debian's Chromium, driven through its chromedriver by
+Selenium (no driver or browser download; .ci/run installs both packages), one per test session."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_serve import ProbeChat
+from builder_plugin.runtime import Chat
+from tests.support.serving import Probe, Running, running_server
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")
@@ -23,9 +24,28 @@ CHROMIUM_FLAGS = ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic
 
 
 @pytest.fixture(scope="module")
-def served(tiny_package) -> ProbeChat:
-    """The Chat behind the module's servers (ProbeChat: its gate can hold the worker inside an answer)."""
-    return ProbeChat(tiny_package)
+def package(tiny_package) -> Path:
+    return tiny_package
+
+
+@pytest.fixture(scope="module")
+def served(tiny_package) -> Probe:
+    """The package and Chats behind the module's servers (its gate can hold the worker before an answer)."""
+    return Probe(tiny_package)
+
+
+@pytest.fixture(scope="module")
+def chat(tiny_package) -> Chat:
+    """The yardstick: a Chat of its own on the same package."""
+    return Chat(tiny_package)
+
+
+@pytest.fixture
+def server(served) -> Iterator[Running]:
+    served.gate.set()
+    served.failure = None
+    with running_server(served) as running:
+        yield running
 
 
 @pytest.fixture(scope="session")

@@ -19,7 +19,7 @@ import httpx
 import pytest
 
 from builder_plugin.serve.cors import MAX_AGE_S, check_origins
-from tests.test_serve import running_server
+from tests.support.serving import running_server
 
 KEY = "cors-test-key"
 APP = "https://app.example.com"

@@ -10,8 +10,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.test_serve import ask_server, running_server, user
-from tests.test_serve_access import wait_for
+from tests.support.serving import ask_server, running_server, user, wait_for
 
 GATEWAY_GAUGES = ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc")
 

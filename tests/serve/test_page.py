@@ -20,7 +20,7 @@ import pytest
 from builder_plugin.runtime import Chat
 from builder_plugin.serve.__main__ import make_parser
 from builder_plugin.serve.page import FOLDER
-from tests.test_serve import ask_chat, last_stats, running_server
+from tests.support.serving import ask_chat, last_stats, running_server
 
 KEY = "page-test-key"
 TOKENS = 100  # max tokens of the page's questions: ~0.5 s of streaming on the tiny package

@@ -22,32 +22,21 @@ from starlette.responses import StreamingResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from builder_plugin.runtime import Chat
-from builder_plugin.serve import app as served
+from builder_plugin.runtime import FOLLOW_UP_ROOM
+from builder_plugin.serve import app as served_app
 from builder_plugin.serve import auth
 from builder_plugin.serve.__main__ import API_KEYS_VARIABLE, requested_keys
 from builder_plugin.serve.metrics import CountChatResponses, Metrics
-from tests.test_serve import SHORT, Answer, ProbeChat, Running, ask_chat, ask_server, running_server, user
+from tests.support.serving import SHORT, Answer, Running, ask_chat, ask_server, running_server, user, wait_for
 
 KEYS = ("key-one", "sk-2nd.KEY_with~punctuation!")
 CHAT_URL = "/v1/chat/completions"
 
 
-@pytest.fixture(scope="module")
-def served_chat(tiny_package) -> ProbeChat:
-    return ProbeChat(tiny_package)
-
-
-@pytest.fixture(scope="module")
-def chat(tiny_package) -> Chat:
-    """The yardstick: a Chat of its own on the same package."""
-    return Chat(tiny_package)
-
-
 @pytest.fixture
-def keyed(served_chat, tmp_path) -> Iterator[Running]:
-    served_chat.gate.set()
-    with running_server(served_chat, tmp_path, api_keys=KEYS) as running:
+def keyed(served, tmp_path) -> Iterator[Running]:
+    served.gate.set()
+    with running_server(served, tmp_path, api_keys=KEYS) as running:
         yield running
 
 
@@ -66,13 +55,6 @@ def scrape(running: Running, key: str) -> dict[tuple[str, tuple[tuple[str, str],
     assert response.headers["content-type"].startswith("text/plain; version=0.0.4")
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(response.text) for s in family.samples}
-
-
-def wait_for(condition, what: str, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 # ---- keys ---------------------------------------------------------------------------------------------------------
@@ -166,9 +148,9 @@ def test_cli_says_whether_keys_are_required(tiny_package):
         process.wait(timeout=30)
 
 
-def test_no_keys_no_checks(served_chat, tmp_path):
-    served_chat.gate.set()
-    with running_server(served_chat, tmp_path) as running:
+def test_no_keys_no_checks(served, tmp_path):
+    served.gate.set()
+    with running_server(served, tmp_path) as running:
         assert httpx.get(f"{running.url}/metrics").status_code == 200
         assert httpx.get(f"{running.url}/v1/models", headers=bearer("anything")).status_code == 200
 
@@ -176,11 +158,11 @@ def test_no_keys_no_checks(served_chat, tmp_path):
 # ---- metrics ------------------------------------------------------------------------------------------------------
 
 
-def test_metrics_add_up_to_the_responses(served_chat, chat, tmp_path):
+def test_metrics_add_up_to_the_responses(served, chat, tmp_path):
     key = KEYS[1]
     started = time.perf_counter()
-    served_chat.gate.set()
-    with running_server(served_chat, tmp_path, api_keys=KEYS, max_queue=1) as running:
+    served.gate.set()
+    with running_server(served, tmp_path, api_keys=KEYS, max_queue=1) as running:
         assert httpx.get(f"{running.url}/metrics").status_code == 401
         api = client(running, key)
         questions = ["Name a color.", "Name a bird.", "Name a tree."]
@@ -208,7 +190,7 @@ def test_metrics_add_up_to_the_responses(served_chat, chat, tmp_path):
         def gauge(name: str) -> float:
             return scrape(running, key)[(f"builder_plugin_{name}", ())]
 
-        served_chat.gate.clear()
+        served.gate.clear()
         try:
             held = threading.Thread(target=send, args=("Held.", 2.0))
             held.start()
@@ -222,7 +204,7 @@ def test_metrics_add_up_to_the_responses(served_chat, chat, tmp_path):
             wait_for(lambda: ("builder_plugin_requests_total", (("status", "499"),)) in scrape(running, key),
                      "the disconnect to be seen")
         finally:
-            served_chat.gate.set()
+            served.gate.set()
         waiting.join(timeout=30)
         assert isinstance(results["Held."], openai.APITimeoutError)
         assert results["Waiting."] == ask_chat(chat, [("Waiting.", (), ())])[0]
@@ -239,9 +221,9 @@ def test_metrics_add_up_to_the_responses(served_chat, chat, tmp_path):
     gauges = {name: samples[(f"builder_plugin_{name}", ())]
               for name in ("queue_depth", "active_requests", "live_conversations", "kv_cache_bytes")}
     # each answered conversation is kept (up to 8), its cache sized to its prompt, max_tokens and the follow-up room
-    decoder = json.loads((served_chat.package_dir / "genai_config.json").read_text())["model"]["decoder"]
+    decoder = json.loads((served.package.dir / "genai_config.json").read_text())["model"]["decoder"]
     float32_kv = decoder["num_hidden_layers"] * 2 * decoder["num_key_value_heads"] * decoder["head_size"] * 4
-    positions = sum(a.prompt_tokens + SHORT + served_chat.follow_up_room for a in answers)
+    positions = sum(a.prompt_tokens + SHORT + FOLLOW_UP_ROOM for a in answers)
     assert gauges == {"queue_depth": 0, "active_requests": 0, "live_conversations": len(answers),
                       "kv_cache_bytes": positions * float32_kv}
     with_text = [a for a in answers if a.text]  # the time to the first piece is observed when there is one
@@ -269,7 +251,7 @@ def test_every_chat_response_is_counted_once_with_the_status_the_client_got():
 
     metrics = Metrics(queue_depth=lambda: 0, active_requests=lambda: 0, live_conversations=lambda: 0,
                       kv_bytes=lambda: 0, kv_usage=lambda: 0.0, model_name="m")
-    handlers = {Exception: served._unexpected_error}
+    handlers = {Exception: served_app._unexpected_error}
     app = Starlette(routes=[Route(CHAT_URL, chat_route, methods=["POST"]), Route("/other", chat_route)],
                     exception_handlers=handlers, middleware=[Middleware(CountChatResponses, metrics=metrics)])
     test_client = TestClient(app, raise_server_exceptions=False)

@@ -1,9 +1,9 @@
 """Soak test of `python -m builder_plugin.serve`: many mixed requests from several clients at once, every answer
 checked against `Chat`, and the server's memory, threads, temporary folder and exit status checked at the end.
 
-    python benchmarks/bench_soak.py                                   # 500 requests on the tiny generated package
-    python benchmarks/bench_soak.py --requests 2000 --concurrency 8 --server-arg=--max-queue --server-arg=16
-    python benchmarks/bench_soak.py /work/bench/pkg-int4 --requests 100 --label full-int4 --server-arg=--max-length \
+    python -m benchmarks.bench_soak                                   # 500 requests on the tiny generated package
+    python -m benchmarks.bench_soak --requests 2000 --concurrency 8 --server-arg=--max-queue --server-arg=16
+    python -m benchmarks.bench_soak /work/bench/pkg-int4 --requests 100 --label full-int4 --server-arg=--max-length \
         --server-arg=4096
 
 The run is builder_plugin.testing.soak.run_soak (its module says what is sent and checked). The summary is printed,
@@ -22,13 +22,21 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import tiny_package
-from common import command_line, fmt, git_state, machine_info, markdown_table, replace_markdown_section, write_json
+from benchmarks.bench_serve import tiny_package
+from benchmarks.common import (
+    BENCHMARKS_DOC,
+    RESULTS_DIR,
+    command_line,
+    fmt,
+    git_state,
+    machine_info,
+    markdown_table,
+    replace_markdown_section,
+    write_json,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results" / "soak.json"
-DOC = ROOT / "docs" / "benchmarks.md"
+RESULTS = RESULTS_DIR / "soak.json"
+DOC = BENCHMARKS_DOC
 MiB = 1 << 20
 
 

@@ -2,7 +2,7 @@
 
     python -m benchmarks.bench_hub_verify --checkpoint /work/bench/full [--work DIR] [--rounds 2]
 
-A local hub (builder_plugin.testing.hub_server.LocalHub, in a process of its own) serves the checkpoint over loopback.
+A local hub (tests.support.hub_server.LocalHub, in a process of its own) serves the checkpoint over loopback.
 Measured, on the checkpoint's weight files:
 
 - ``hashlib``: one sha256 pass over the files, one thread, 16 MB reads, twice: the first as the page cache holds them
@@ -50,7 +50,7 @@ HEADING = "## Hub download checks"
 
 def serve(checkpoint: Path) -> None:
     """The hub process: publish the checkpoint, print the endpoint, serve until stdin closes."""
-    from builder_plugin.testing.hub_server import LocalHub
+    from tests.support.hub_server import LocalHub
 
     with LocalHub() as hub:
         hub.add_commit(REPO_ID, checkpoint)

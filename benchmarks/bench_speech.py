@@ -34,7 +34,7 @@ from builder_plugin.reference.model import Reference
 from builder_plugin.spec import Component
 from builder_plugin.testing.make_checkpoint import make_checkpoint
 from builder_plugin.testing.media import make_wav
-from builder_plugin.testing.processor import processor_inputs
+from tests.support.processor import processor_inputs
 
 RESULTS = RESULTS_DIR / "speech.json"
 SPEECH_MODE = 2

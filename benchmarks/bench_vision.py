@@ -38,7 +38,7 @@ from builder_plugin.reference.model import Reference
 from builder_plugin.spec import Component
 from builder_plugin.testing.make_checkpoint import make_checkpoint
 from builder_plugin.testing.media import make_image
-from builder_plugin.testing.processor import processor_inputs
+from tests.support.processor import processor_inputs
 
 RESULTS = RESULTS_DIR / "vision.json"
 GRAPH_INPUTS = ("pixel_values", "image_attention_mask", "image_sizes")

@@ -120,7 +120,7 @@ def tiny_native_package(tmp_path_factory: pytest.TempPathFactory, tiny_native_ch
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the session if anything of ours is left in the temp folder; remove the session's temp folder."""
-    processor = sys.modules.get("builder_plugin.testing.processor")
+    processor = sys.modules.get("tests.support.processor")
     if processor is not None:  # its stubs are kept for the whole session
         processor.remove_stubs()
     left = sorted(p.name for p in SESSION_TEMP.iterdir() if not p.name.startswith(FOREIGN_TEMP_PREFIXES))

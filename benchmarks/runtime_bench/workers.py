@@ -178,7 +178,7 @@ def _torch_worker(job: dict[str, Any]) -> dict[str, Any]:
     from transformers.cache_utils import DynamicCache
 
     from builder_plugin.reference.model import Reference
-    from builder_plugin.testing.processor import processor_inputs
+    from tests.support.processor import processor_inputs
 
     torch.set_num_threads(int(job["threads"]))
     checkpoint = Path(job["checkpoint"])
@@ -218,7 +218,7 @@ def _torch_case(reference: Any, step: Any, case: dict[str, Any], checkpoint: Pat
     import torch
     from transformers.cache_utils import DynamicCache
 
-    from builder_plugin.testing.processor import processor_inputs
+    from tests.support.processor import processor_inputs
 
     embed_tokens = reference.model.model.embed_tokens
     inputs = processor_inputs(checkpoint, case["text"], images=case["images"], audios=case["audios"])

@@ -15,7 +15,7 @@ from builder_plugin.build import build
 from builder_plugin.layout import GRAPH_FILES
 from builder_plugin.options import BuildOptions
 from builder_plugin.spec import Component
-from builder_plugin.testing.processor import processor_inputs
+from tests.support.processor import processor_inputs
 
 # Random tiny weights are a harsh case for 4-bit RTN (the decoder's int4 logits reach cosine ~0.8 on them); the real
 # checkpoint's trained weights quantize far better. These bounds only catch a broken quantized graph.

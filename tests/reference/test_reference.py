@@ -460,7 +460,7 @@ def test_prefill_and_greedy_on_the_real_genai_processor(checkpoints, ref, tmp_pa
     import soundfile
     from PIL import Image
 
-    from builder_plugin.testing.processor import processor_inputs
+    from tests.support.processor import processor_inputs
 
     rng = np.random.default_rng(16)
     images, audios = [], []

@@ -1,6 +1,7 @@
 """CI: run a built package with the base install and the serve extra only (`pip install ".[serve]"` in a fresh
 virtual environment, no torch, no transformers): the runtime answers one question with an image and a clip, the
-server answers one chat request and stops cleanly on SIGTERM, and the build command says which extra it needs.
+server serves its chat page (the package data of a non-editable install) and answers one chat request and stops
+cleanly on SIGTERM, and the build command says which extra it needs.
 
 Usage (with that environment's python): python .ci/without_torch.py DEMO_FOLDER
 (`python -m builder_plugin.demo DEMO_FOLDER` in the main environment writes its checkpoint, media and package)."""
@@ -10,6 +11,7 @@ from __future__ import annotations
 import base64
 import importlib.util
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -39,6 +41,7 @@ def main(demo: Path) -> None:
         line = server.stdout.readline()
         assert line.startswith("serving "), f"the server did not start: {line!r}"
         url = line.split(" at ")[1].strip()
+        check_page(url.removesuffix("v1"))
         picture = base64.b64encode(image.read_bytes()).decode()
         body = {"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": f"data:image/jpeg;base64,{picture}"}},
@@ -65,6 +68,25 @@ def main(demo: Path) -> None:
     imported = sorted(name for name in BUILD_ONLY if name in sys.modules)
     assert not imported, f"imported {imported}"
     print("a package runs without torch and transformers")
+
+
+def check_page(root: str) -> None:
+    """GET / is the chat page, and every file it loads (its HTML's src/href, its modules' imports) is served."""
+    with urllib.request.urlopen(root, timeout=60) as response:
+        assert response.headers["Content-Type"].startswith("text/html"), response.headers["Content-Type"]
+        text = response.read().decode()
+    files: set[str] = set()
+    queue = re.findall(r'(?:src|href)="ui/([\w.-]+)"', text)
+    while queue:
+        name = queue.pop()
+        if name not in files:
+            with urllib.request.urlopen(f"{root}ui/{name}", timeout=60) as response:
+                text = response.read().decode()
+            assert text, name
+            files.add(name)
+            queue += re.findall(r'from "\./([\w.-]+)"', text)
+    assert {"app.js", "markdown.js"} <= files, files
+    print(f"server: the chat page and its {len(files)} files")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 full-size shapes: a few rows (decode steps, several users, speculative tokens) against the memory-read bound, and many
 rows (a prompt) in GFLOP/s.
 
-    python benchmarks/bench_kernel.py [--layers 16] [--block-size 32] [--rows 1,2,4,8,512] [--rounds 2]
-    python benchmarks/bench_kernel.py --from-json benchmarks/results/kernel.json   # redo the report
+    python -m benchmarks.bench_kernel [--layers 16] [--block-size 32] [--rows 1,2,4,8,512] [--duel 1] [--rounds 2]
+    python -m benchmarks.bench_kernel --from-json benchmarks/results/kernel.json   # redo the report
 
 The graph of bench_matmulnbits.py (`--layers` layers of qkv, o, gate_up and down MatMulNBits, 4 bits, random weights,
 every node its own) with any number of input rows. Each (kernel, rows) setting loads it in a fresh process with the
@@ -32,12 +32,9 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from bench_matmulnbits import layer_shapes, load, measure, write_graph  # noqa: E402
-from common import (  # noqa: E402
+from benchmarks.bench_matmulnbits import layer_shapes, load, measure, write_graph
+from benchmarks.common import (
+    ROOT,
     command_line,
     fmt,
     git_state,
@@ -47,10 +44,9 @@ from common import (  # noqa: E402
     publish,
     read_probe_gb_s,
 )
-
-from builder_plugin import kernels  # noqa: E402
-from builder_plugin.runtime.threads import default_threads  # noqa: E402
-from builder_plugin.testing.make_checkpoint import PRESETS  # noqa: E402
+from builder_plugin import kernels
+from builder_plugin.runtime.threads import default_threads
+from builder_plugin.testing.make_checkpoint import PRESETS
 
 HEADING = "## MatMulNBits kernel of the library"
 KERNELS = ("onnxruntime", "library")
@@ -78,8 +74,8 @@ def duel(path: Path, threads: int, rows: int, rounds: int, steps: int = 3) -> di
 
 def _child(path: Path, kernel: str, rows: int, threads: int, steps: int) -> dict[str, Any]:
     job = {"path": str(path), "kernel": kernel, "rows": rows, "threads": threads, "steps": steps}
-    done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = subprocess.run([sys.executable, "-m", __spec__.name, "--worker", json.dumps(job)], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     if done.returncode:
         raise SystemExit(f"worker failed: {done.stderr.strip().splitlines()[-1:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -87,8 +83,8 @@ def _child(path: Path, kernel: str, rows: int, threads: int, steps: int) -> dict
 
 def _duel_child(path: Path, threads: int, rows: int, rounds: int) -> dict[str, Any]:
     job = {"duel": True, "path": str(path), "threads": threads, "rows": rows, "rounds": rounds}
-    done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(job)], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = subprocess.run([sys.executable, "-m", __spec__.name, "--worker", json.dumps(job)], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     if done.returncode:
         raise SystemExit(f"worker failed: {done.stderr.strip().splitlines()[-1:]}")
     found = json.loads(done.stdout.strip().splitlines()[-1])

@@ -1,8 +1,8 @@
 """The MatMulNBits kernel alone against the memory-read bound: how fast onnxruntime's CPU kernel streams a decode
 step's int4 weights when nothing else is in the step.
 
-    python benchmarks/bench_matmulnbits.py [--layers 16] [--block-sizes 32,64,128] [--rounds 2] [--hugepages]
-    python benchmarks/bench_matmulnbits.py --from-json benchmarks/results/matmulnbits.json   # redo the report
+    python -m benchmarks.bench_matmulnbits [--layers 16] [--block-sizes 32,64,128] [--rounds 2] [--hugepages]
+    python -m benchmarks.bench_matmulnbits --from-json benchmarks/results/matmulnbits.json   # redo the report
 
 A graph holds the MatMulNBits of `--layers` text-decoder layers with the full-size shapes (qkv, o, gate_up, down;
 random packed weights, every node its own, one input row as in a decode step), written once per block size to
@@ -32,11 +32,8 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from common import (  # noqa: E402
+from benchmarks.common import (
+    ROOT,
     command_line,
     fmt,
     git_state,
@@ -47,10 +44,9 @@ from common import (  # noqa: E402
     read_probe_gb_s,
     rss_split,
 )
-
-from builder_plugin.memory import proc_kib_field  # noqa: E402
-from builder_plugin.runtime.threads import NO_SPINNING, SPINNING_KEY, default_threads  # noqa: E402
-from builder_plugin.testing.make_checkpoint import PRESETS  # noqa: E402
+from builder_plugin.memory import proc_kib_field
+from builder_plugin.runtime.threads import NO_SPINNING, SPINNING_KEY, default_threads
+from builder_plugin.testing.make_checkpoint import PRESETS
 
 HEADING = "## MatMulNBits alone"
 HUGEPAGES_TUNABLE = "glibc.malloc.hugetlb=1"
@@ -139,7 +135,7 @@ def _child(path: Path, threads: int, steps: int, hugepages: bool) -> dict[str, A
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     if hugepages:
         env["GLIBC_TUNABLES"] = ":".join(filter(None, [env.get("GLIBC_TUNABLES"), HUGEPAGES_TUNABLE]))
-    done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(
+    done = subprocess.run([sys.executable, "-m", __spec__.name, "--worker", json.dumps(
         {"path": str(path), "threads": threads, "steps": steps})], capture_output=True, text=True, env=env)
     if done.returncode:
         raise SystemExit(f"worker failed: {done.stderr.strip().splitlines()[-1:]}")

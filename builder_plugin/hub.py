@@ -6,11 +6,14 @@ weight files with their sizes from the hub; `ModelSource.fetch` then downloads t
 Face cache (HF_HOME / HF_HUB_CACHE, or -c), in its usual layout, so other tools find them and a second run downloads
 nothing. A weight file that stops half-way keeps its bytes (``blobs/<sha256>.incomplete``, as the hub's own tools name
 it) and the next run resumes it with a range request. With HF_HUB_OFFLINE=1 everything comes from the cache.
+
+Every file is checked against the hub's digest (`digests.Digest`) before a build reads it: downloaded (hashed as it is
+written), resumed, or found in the cache. A cached file that does not match is removed and fetched again; a download
+that does not match is tried once more, then refused.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -29,6 +32,7 @@ from builder_plugin.checkpoint.files import (
     weight_map,
 )
 from builder_plugin.config import CONFIG_FILE, NATIVE_ADAPTER_DIRS, PREPROCESSOR_CONFIG_FILE, Phi4MMConfig
+from builder_plugin.digests import GIT_BLOB, SHA256, Digest, HashingFile
 from builder_plugin.errors import InputError, UnsupportedModelError
 from builder_plugin.layout import GENERATION_CONFIG_FILE, TOKENIZER_FILES
 from builder_plugin.units import human
@@ -37,6 +41,7 @@ METADATA_FILES = (GENERATION_CONFIG_FILE, PREPROCESSOR_CONFIG_FILE, *TOKENIZER_F
 ADAPTER_FILES = (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE)  # each native adapter folder's two files
 DEFAULT_REVISION = "main"
 RETRY_DELAYS_S = (1.0, 2.0)  # a failed hub call is tried len + 1 times
+DOWNLOADS_PER_FILE = 2  # a file whose fresh download does not match the hub's digest is downloaded once more
 _TRUE = ("1", "ON", "YES", "TRUE")
 _TRANSPORT_MODULES = ("httpx", "httpx2", "httpcore")
 _COMMIT = re.compile(r"^[0-9a-f]{40}$")
@@ -79,12 +84,12 @@ class ModelSource:
         return self.hub.cache_dir if self.hub else None
 
     def fetch(self) -> None:
-        """Download the files not in the cache yet (nothing for a local folder)."""
+        """Check the cached weights against the hub's digests and download the rest (nothing for a local folder)."""
         if self.hub is not None:
             for f in self.metadata:
                 if not f.cached:
                     self.hub.download(f.path)
-            self.hub.fetch([f for f in self.weights if not f.cached])
+            self.hub.fetch(self.weights)
 
 
 def open_source(model_name: str | None, input_dir: str | None, cache_dir: Path | None,
@@ -148,6 +153,7 @@ class _HubModel:
         self.commit: str | None = revision if _COMMIT.match(revision) else None
         self.sizes: dict[str, int] = {}  # from the hub: every file's size
         self.lfs: dict[str, str] = {}  # from the hub: each LFS file's sha256, the name of its blob in the cache
+        self.blob_ids: dict[str, str] = {}  # from the hub: each file's git blob id (of its pointer, for LFS files)
         from huggingface_hub.file_download import repo_folder_name
 
         self.storage = self.cache_dir / repo_folder_name(repo_id=repo_id, repo_type="model")
@@ -217,6 +223,7 @@ class _HubModel:
         self.commit = info.sha
         self.sizes = {s.rfilename: s.size for s in info.siblings or [] if s.size is not None}
         self.lfs = {s.rfilename: s.lfs.sha256 for s in info.siblings or [] if s.lfs is not None}
+        self.blob_ids = {s.rfilename: s.blob_id for s in info.siblings or [] if s.blob_id}
         # the cache layout's refs/<branch or tag>, so offline runs find the commit (a dry run writes nothing)
         if self.revision != self.commit and self._scratch is None:
             ref = self.storage / "refs" / self.revision
@@ -244,67 +251,164 @@ class _HubModel:
         partial = self.storage / "blobs" / f"{blob}.incomplete" if blob else None
         return SourceFile(path, self.sizes[path], False, partial.stat().st_size if partial and partial.is_file() else 0)
 
-    # --- downloading ------------------------------------------------------------------------------------------
+    # --- downloading, each file checked against the hub's digest before anything reads it ---------------------
     def download(self, path: str) -> str:
-        """A small file through huggingface_hub's own download (into the cache, or from it offline)."""
-        from huggingface_hub import hf_hub_download
-
-        cache_dir = self.cache_dir
-        if self._scratch is not None:  # a dry run reads what the cache has and fetches the rest into its own
-            kept = self.storage / "snapshots" / str(self.commit) / path
-            if kept.is_file():
-                return str(kept)
-            cache_dir = Path(self._scratch.name)
-        return self._call(lambda: hf_hub_download(self.repo_id, path, revision=self.commit,
-                                                  cache_dir=str(cache_dir), endpoint=self.endpoint,
-                                                  local_files_only=self.offline), what=path)
+        """A small file through huggingface_hub's own download (into the cache, or from it offline), checked: a cached
+        copy that does not match is removed and fetched again, a download that does not match is tried once more. A
+        dry run reads what the cache has (linked into its own) and fetches the rest into its own."""
+        kept = self._snapshot(path)
+        if kept.is_file():
+            failed = self._mismatch(path, kept)
+            if failed is None:
+                return str(kept if self._scratch is None else self._link_into_scratch(path, kept))
+            self._set_aside(path, kept, failed)
+        discarded: list[str] = []
+        while len(discarded) < DOWNLOADS_PER_FILE:
+            got = Path(self._hf_download(path))
+            failed = self._mismatch(path, got)
+            if failed is None:
+                self._say_repaired(path, discarded, got)
+                return str(got)
+            _discard(got)
+            discarded.append("fresh")
+        raise self._refused(path, failed, len(discarded))
 
     def fetch(self, files: list[SourceFile]) -> None:
+        """The weight files into the cache: the cached ones checked (one read each, on every core), the others and
+        those that failed the check downloaded."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        cached = [f.path for f in files if f.cached]
+        with ThreadPoolExecutor(max(1, min(len(cached), os.cpu_count() or 1))) as pool:  # hashlib frees the GIL
+            failed = list(pool.map(lambda p: self._mismatch(p, self._snapshot(p)), cached))
+        for path, digest in zip(cached, failed):
+            if digest is not None:
+                self._set_aside(path, self._snapshot(path), digest)
         for f in files:
-            self._fetch_resumable(f)
-            self.download(f.path)  # links the snapshot entry to the blob, as huggingface_hub lays out its cache
+            if not self._snapshot(f.path).is_file():
+                self._fetch_resumable(f)
+                self._hf_download(f.path)  # links the snapshot entry to the blob, as huggingface_hub lays out its cache
 
     def _fetch_resumable(self, f: SourceFile) -> None:
+        """One weight file into its cache blob, resuming what an earlier run kept, hashed as it is written. One that
+        does not match the hub's digest is downloaded afresh (a resumed one, then a fresh one once more), then
+        refused."""
         from huggingface_hub import get_hf_file_metadata, hf_hub_url
-        from huggingface_hub.file_download import http_get
         from huggingface_hub.utils import build_hf_headers
 
         url = hf_hub_url(self.repo_id, f.path, revision=self.commit, endpoint=self.endpoint)
         meta = self._call(lambda: get_hf_file_metadata(url, endpoint=self.endpoint), what=f.path)
         blob = self.storage / "blobs" / meta.etag
-        if blob.is_file():
-            return
+        if blob.is_file():  # another revision's, or left by a run that stopped before linking it
+            failed = self._mismatch(f.path, blob)
+            if failed is None:
+                return
+            self._set_aside(f.path, blob, failed)
+        digest = self._digest(f.path, blob)
+        if digest is None:
+            raise InputError(f"the hub states no sha256 for {f.path} of {self.label}: it cannot be checked, so it is "
+                             "not used")
         blob.parent.mkdir(parents=True, exist_ok=True)
         partial = blob.with_name(f"{meta.etag}.incomplete")
         headers = build_hf_headers()
         if _origin(meta.location) != _origin(self.endpoint):  # the token does not leave the hub (storage redirect)
             headers.pop("authorization", None)
-        resumed = partial.is_file() and partial.stat().st_size > 0
+        discarded: list[str] = []  # each download that did not match: "resumed" (bytes of an earlier run) or "fresh"
+        while True:
+            kind = "resumed" if partial.is_file() and partial.stat().st_size > 0 else "fresh"
+            if self._transfer(f.path, meta, partial, digest, headers) == digest.hex:
+                break
+            partial.unlink()
+            discarded.append(kind)
+            if discarded.count("fresh") == DOWNLOADS_PER_FILE:
+                raise self._refused(f.path, digest, len(discarded))
+        os.replace(partial, blob)
+        self._say_repaired(f.path, discarded, blob)
 
-        def attempt() -> None:
-            nonlocal resumed
-            with open(partial, "ab") as out:
+    def _transfer(self, path: str, meta: Any, partial: Path, digest: Digest, headers: dict[str, str]) -> str:
+        """Download `partial` to its end from where it stops, hashing it; a dropped connection is resumed where it
+        broke (by `http_get`). Its digest."""
+        from huggingface_hub.file_download import http_get
+
+        with HashingFile(partial, digest, meta.size or 0) as out:
+            def attempt() -> None:
                 have = out.tell()
-                resumed = resumed or have > 0
                 if meta.size is not None and have >= meta.size:
                     return
                 if have:
-                    log.info("resuming %s at byte %d", f.path, have)
+                    log.info("resuming %s at byte %d", path, have)
                 http_get(meta.location, out, resume_size=have, headers=headers, expected_size=meta.size,
-                         displayed_filename=f.path)
+                         displayed_filename=path)
 
-        try:
-            self._call(attempt, what=f.path, retry_network=False)  # http_get retries a dropped connection itself
-        except _Unreachable as exc:
-            have = partial.stat().st_size if partial.is_file() else 0
-            kept = f"; {human(have)} of {human(meta.size or 0)} are kept" if have else ""
-            raise InputError(f"the download of {f.path} of {self.label} broke off ({_first_line(exc.__cause__ or exc)})"
-                             f"{kept}: run the same command again to resume it") from exc
-        if resumed and re.fullmatch(r"[0-9a-f]{64}", meta.etag) and _sha256(partial) != meta.etag:
-            partial.unlink()
-            raise InputError(f"{f.path} of {self.label} came out corrupt after resuming; its partial download was "
-                             "removed: run again to download it afresh")
-        os.replace(partial, blob)
+            try:
+                self._call(attempt, what=path, retry_network=False)  # http_get retries a dropped connection itself
+            except _Unreachable as exc:
+                have = out.tell()
+                kept = f"; {human(have)} of {human(meta.size or 0)} are kept" if have else ""
+                raise InputError(f"the download of {path} of {self.label} broke off "
+                                 f"({_first_line(exc.__cause__ or exc)}){kept}: run the same command again to resume "
+                                 "it") from exc
+            return out.hexdigest()
+
+    def _hf_download(self, path: str) -> str:
+        from huggingface_hub import hf_hub_download
+
+        cache_dir = Path(self._scratch.name) if self._scratch is not None else self.cache_dir
+        return self._call(lambda: hf_hub_download(self.repo_id, path, revision=self.commit,
+                                                  cache_dir=str(cache_dir), endpoint=self.endpoint,
+                                                  local_files_only=self.offline), what=path)
+
+    def _snapshot(self, path: str) -> Path:
+        return self.storage / "snapshots" / str(self.commit) / path
+
+    def _link_into_scratch(self, path: str, kept: Path) -> Path:
+        """A dry run reads one folder, its own cache's snapshot: a file the Hugging Face cache has is linked there."""
+        link = Path(self._scratch.name) / self.storage.name / "snapshots" / str(self.commit) / path
+        if not link.exists():
+            link.parent.mkdir(parents=True, exist_ok=True)
+            link.symlink_to(kept)
+        return link
+
+    def _digest(self, path: str, file: Path) -> Digest | None:
+        """What `path` must hash to: what the hub's metadata says (an LFS file's sha256, else its git blob id), and
+        without that (offline) what the name of the cache blob `file` is, or links to, says."""
+        if path in self.lfs:
+            return Digest(SHA256, self.lfs[path])
+        if path in self.blob_ids:
+            return Digest(GIT_BLOB, self.blob_ids[path])
+        return Digest.named(file.resolve().name)
+
+    def _mismatch(self, path: str, file: Path) -> Digest | None:
+        """The digest `file` fails; None when it matches (or the hub states none: nothing to check it against)."""
+        digest = self._digest(path, file)
+        if digest is None:
+            log.info("the hub states no digest of %s: not checked", path)
+            return None
+        return None if digest.matches(file) else digest
+
+    def _set_aside(self, path: str, file: Path, digest: Digest) -> None:
+        """A cached file that does not match its digest is removed, to be fetched again (a dry run only says so);
+        offline that is an error."""
+        where = f"{path} of {self.label} in the cache {self.cache_dir} does not match its {digest.short()}..."
+        if self._scratch is not None:
+            print(f"warning: {where}: a build would download it again", file=sys.stderr)
+            return
+        _discard(file)
+        if self.offline:
+            raise InputError(f"{where} (damaged on disk) and was removed; {self.why_offline}: run once online to "
+                             "download it again")
+        print(f"warning: {where} (damaged on disk): removed it, downloading it again", file=sys.stderr)
+
+    def _say_repaired(self, path: str, discarded: list[str], file: Path) -> None:
+        """One line when downloads of `path` were discarded before `file`, which matches, came."""
+        if discarded:
+            print(f"warning: the {' and '.join(discarded)} download{'s' * (len(discarded) > 1)} of {path} of "
+                  f"{self.label} did not match the hub's {self._digest(path, file).short()}... and "
+                  f"{'were' if len(discarded) > 1 else 'was'} discarded; downloaded again, it matches", file=sys.stderr)
+
+    def _refused(self, path: str, digest: Digest, downloads: int) -> InputError:
+        return InputError(f"{path} of {self.label} did not match the hub's {digest.short()}... in {downloads} "
+                          "downloads: the hub, a proxy or the connection changes its bytes; nothing was built")
 
     # --- errors: each becomes one line, transient ones are retried first --------------------------------------
     def _call(self, fn: Callable[[], _T], what: str, retry_network: bool = True) -> _T:
@@ -378,10 +482,9 @@ def _origin(url: str) -> tuple[str, str, int | None]:
     return parsed.scheme, (parsed.hostname or "").lower(), parsed.port
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
+def _discard(file: Path) -> None:
+    """A cache entry removed: the snapshot link and the blob it links to (or the file itself, in a cache without
+    links)."""
+    blob = file.resolve()
+    file.unlink(missing_ok=True)
+    blob.unlink(missing_ok=True)

@@ -21,11 +21,13 @@ except ImportError:  # run from a source checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from builder_plugin import runtime
 
+Media = runtime.Media
+
 EXECUTION_PROVIDERS = ("cpu", "cuda", "dml", "webgpu")
 
 COMMANDS = """commands:
-  /image PATH   attach an image (PNG or JPEG) to the next question; repeat for more
-  /audio PATH   attach an audio clip (WAV, MP3 or FLAC) to the next question; repeat for more
+  /image PATH   attach an image (JPEG, PNG, WebP, GIF, BMP or TIFF) to the next question; repeat for more
+  /audio PATH   attach an audio clip (WAV, FLAC, Ogg or MP3) to the next question; repeat for more
   /clear        forget the conversation and the attached files
   /help         show this help
   /quit         leave (Ctrl-D works too)
@@ -57,8 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.max_new_tokens < 1:
         return _error("--max-new-tokens must be at least 1")
     try:
-        images = [runtime.check_image(p) for p in args.image]
-        audios = [runtime.check_audio(p) for p in args.audio]
+        images = [runtime.open_image(p) for p in args.image]
+        audios = [runtime.open_audio(p) for p in args.audio]
         chat = runtime.Chat(args.package, max_length=args.max_length, execution_provider=args.execution_provider,
                             system=args.system, threads=args.threads)
         if args.prompt is not None:
@@ -71,7 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return interactive(chat, images, audios, args.max_new_tokens)
 
 
-def ask_once(chat: runtime.Chat, text: str, images: list[Path], audios: list[Path], max_new_tokens: int) -> int:
+def ask_once(chat: runtime.Chat, text: str, images: list[Media], audios: list[Media], max_new_tokens: int) -> int:
     """--prompt mode: the answer on stdout, loading notes and statistics on stderr."""
     runtime.check_tags(text, len(images), len(audios))
     _load_for(chat, images, audios, sys.stderr)
@@ -81,7 +83,7 @@ def ask_once(chat: runtime.Chat, text: str, images: list[Path], audios: list[Pat
     return 0
 
 
-def interactive(chat: runtime.Chat, images: list[Path], audios: list[Path], max_new_tokens: int) -> int:
+def interactive(chat: runtime.Chat, images: list[Media], audios: list[Media], max_new_tokens: int) -> int:
     print(f"Chatting with {chat.package_dir}. Type a question, or /help.")
     _show_attached(images, audios)
     while True:
@@ -112,9 +114,9 @@ def interactive(chat: runtime.Chat, images: list[Path], audios: list[Path], max_
                     continue
                 try:
                     if command == "/image":
-                        images.append(runtime.check_image(argument))
+                        images.append(runtime.open_image(argument))
                     else:
-                        audios.append(runtime.check_audio(argument))
+                        audios.append(runtime.open_audio(argument))
                 except runtime.ChatError as exc:
                     _error(str(exc))
                     continue
@@ -144,7 +146,7 @@ def interactive(chat: runtime.Chat, images: list[Path], audios: list[Path], max_
             print(format_stats(chat.last_stats))
 
 
-def answer(chat: runtime.Chat, text: str, images: list[Path], audios: list[Path], max_new_tokens: int,
+def answer(chat: runtime.Chat, text: str, images: list[Media], audios: list[Media], max_new_tokens: int,
            out: TextIO) -> None:
     """Stream the answer to `out`; the pieces are printed as they are generated."""
     pieces = chat.ask(text, images, audios, max_new_tokens=max_new_tokens)
@@ -164,16 +166,16 @@ def format_stats(stats: runtime.Stats | None) -> str:
             f"{stats.time_to_first_token_s:.2f} s, prompt {stats.prompt_tokens} tokens{reused}, {stats.variant}]")
 
 
-def _load_for(chat: runtime.Chat, images: list[Path], audios: list[Path], out: TextIO) -> None:
+def _load_for(chat: runtime.Chat, images: list[Media], audios: list[Media], out: TextIO) -> None:
     variant = chat.next_variant(images, audios)
     if not chat.is_loaded(variant):
         print(f"(loading {variant} ...)", file=out, flush=True)
         chat.load(variant)
 
 
-def _show_attached(images: list[Path], audios: list[Path]) -> None:
+def _show_attached(images: list[Media], audios: list[Media]) -> None:
     if images or audios:
-        names = [f"image {p}" for p in images] + [f"audio {p}" for p in audios]
+        names = [f"image {m.source}" for m in images] + [f"audio {m.source}" for m in audios]
         print(f"(attached to the next question: {', '.join(names)})")
 
 

@@ -15,6 +15,7 @@ import pytest
 from builder_plugin.checkpoint.reader import CheckpointReader
 from builder_plugin.checkpoint.routing import route_weights
 from builder_plugin.config import Phi4MMConfig
+from tests.support.temp import FOREIGN_TEMP_PREFIXES  # removed with the session's folder
 
 # What the code under test (and every subprocess a test starts) writes to the system temp folder goes to a folder of
 # this session's, which must be empty again at the end (pytest_sessionfinish); pytest's own base temp folder stays in
@@ -23,8 +24,6 @@ os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
 SESSION_TEMP = Path(tempfile.mkdtemp(prefix="builder-plugin-tests-"))
 os.environ["TMPDIR"] = str(SESSION_TEMP)
 tempfile.tempdir = None  # gettempdir() reads TMPDIR again
-# Not ours: onnxruntime's telemetry session id, torch's compile cache (removed with the session's folder).
-FOREIGN_TEMP_PREFIXES = (".ses", "torchinductor_")
 
 TINY_SEED = 0
 # search.max_length of the shared packages: a short KV cache keeps every generator cheap.
@@ -121,7 +120,7 @@ def tiny_native_package(tmp_path_factory: pytest.TempPathFactory, tiny_native_ch
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the session if anything of ours is left in the temp folder; remove the session's temp folder."""
-    processor = sys.modules.get("builder_plugin.testing.processor")
+    processor = sys.modules.get("tests.support.processor")
     if processor is not None:  # its stubs are kept for the whole session
         processor.remove_stubs()
     left = sorted(p.name for p in SESSION_TEMP.iterdir() if not p.name.startswith(FOREIGN_TEMP_PREFIXES))

@@ -20,7 +20,7 @@ import pytest
 
 from builder_plugin.layout import INPUT_IDS, MAIN_DECODER
 from builder_plugin.reference.model import GreedyResult, Reference
-from builder_plugin.runtime import Chat, Generation, Turn, build_prompt
+from builder_plugin.runtime import Chat, Generation, Turn, build_prompt, open_audio, open_image
 
 REPO = Path(__file__).resolve().parents[1]
 NEW_TOKENS = 16
@@ -109,7 +109,7 @@ def test_generator_matches_reference(request, media_dir, layout, case):
     reference: Reference = request.getfixturevalue(REFERENCE_FIXTURE[layout])
     images = [media_dir / name for name in CASES[case][0]]
     audios = [media_dir / name for name in CASES[case][1]]
-    prompt = build_prompt([Turn(QUESTION, tuple(images), tuple(audios))])
+    prompt = build_prompt([Turn(QUESTION, tuple(map(open_image, images)), tuple(map(open_audio, audios)))])
     generation = chat.generate(prompt, images, audios, max_new_tokens=NEW_TOKENS)
 
     # The processor saw every file, and the one decoder answered (its LoRA follows the mode: checked below).

@@ -1,4 +1,4 @@
-"""`-m ORG/NAME` against a local hub (builder_plugin.testing.hub_server) with the real huggingface_hub client: what
+"""`-m ORG/NAME` against a local hub (tests.support.hub_server) with the real huggingface_hub client: what
 is downloaded and where, the cache and offline use, a broken download resumed, hub errors, --revision, provenance in
 manifest.json, the disk-space check and --dry-run. Builds run as `python -m builder_plugin` with the environment a
 user sets (HF_ENDPOINT, HF_HOME, HF_HUB_OFFLINE, HF_TOKEN)."""
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import filecmp
+import hashlib
 import json
 import os
 import shutil
@@ -18,7 +19,7 @@ import pytest
 
 import builder_plugin
 from builder_plugin.layout import MANIFEST_FILE
-from builder_plugin.testing.hub_server import LocalHub
+from tests.support.hub_server import LocalHub
 
 REPO = "org/phi4mm"
 NEEDED = {"config.json", "generation_config.json", "preprocessor_config.json", "tokenizer.json",
@@ -325,3 +326,173 @@ def test_native_layout_downloads_its_adapter_folders(hub: LocalHub, in_process, 
                         for f in ("adapter_config.json", "adapter_model.safetensors")}
     assert set(hub.downloads()) == NEEDED | shards(tiny_native_checkpoint) | adapters
     assert manifest(tmp_path / "out")["source"]["commit"] == sha
+
+
+# --- every file checked against the hub's digest: garbled bytes are downloaded again or refused, never built ----------
+# The references are the checkpoint's own files and their digests, computed here with hashlib; the hub fixture garbles
+# one byte of a transfer (the size stays right), a test garbles a file in the cache.
+
+def _biggest_shard(checkpoint: Path) -> tuple[str, int]:
+    name = max(shards(checkpoint), key=lambda n: (checkpoint / n).stat().st_size)
+    return name, (checkpoint / name).stat().st_size
+
+
+def _warnings(result: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
+
+
+def _one_warning(result: subprocess.CompletedProcess, *needles: str) -> str:
+    """A build that succeeded, saying what it repaired in one warning line."""
+    assert result.returncode == 0, result.stderr
+    [warning] = _warnings(result)
+    for needle in needles:
+        assert needle in warning, warning
+    return warning
+
+
+def _build_with_faults(hub: LocalHub, in_process, out: Path) -> subprocess.CompletedProcess:
+    """The cheapest build, with the faults set on the hub before it; they are cleared after it, whatever happens."""
+    try:
+        return in_process("-m", REPO, "-o", str(out), *BUILD)
+    finally:
+        hub.clear_faults()
+
+
+def _transfers(hub: LocalHub, checkpoint: Path, name: str) -> list[tuple[int, int]]:
+    """(first byte, bytes sent) of each GET of `name`'s bytes (from its storage URL, or its resolve URL)."""
+    sha = hashlib.sha256((checkpoint / name).read_bytes()).hexdigest()
+    starts = []
+    for r in hub.log:
+        if r.method == "GET" and r.sent and (r.path.endswith(sha) or r.path.endswith(f"/{name}")):
+            starts.append((int(r.range[len("bytes="):].split("-")[0]) if r.range else 0, r.sent))
+    return starts
+
+
+def _flip(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _storage(cache: Path) -> Path:
+    return cache / "models--org--phi4mm"
+
+
+@pytest.mark.parametrize("where", ["whole download", "resumed in the same run"])
+def test_a_shard_garbled_in_transfer_is_downloaded_again(hub: LocalHub, in_process, tmp_path: Path,
+                                                         tiny_checkpoint: Path, where: str) -> None:
+    big, size = _biggest_shard(tiny_checkpoint)
+    hub.clear_log()
+    if where == "resumed in the same run":
+        hub.cut(REPO, big, at_byte=size // 2, times=1)  # http_get resumes at once; the garbled byte is in that part
+    hub.corrupt(REPO, big, at_byte=size * 3 // 4, times=1)
+    result = _build_with_faults(hub, in_process, tmp_path / "out")
+    _one_warning(result, big, "sha256", "downloaded again")
+    transfers = _transfers(hub, tiny_checkpoint, big)
+    if where == "whole download":
+        assert transfers == [(0, size), (0, size)]
+    else:  # cut, resumed from the last whole chunk it wrote, then once more whole
+        resumed_at = transfers[1][0]
+        assert transfers == [(0, size // 2), (resumed_at, size - resumed_at), (0, size)] and resumed_at > 0
+    assert filecmp.cmp(_storage(tmp_path / "cache") / "snapshots" / hub.main / big, tiny_checkpoint / big,
+                       shallow=False)
+    assert (tmp_path / "out" / MANIFEST_FILE).is_file()
+
+
+@pytest.mark.parametrize("where", ["whole download", "resumed in the same run"])
+def test_a_shard_that_always_arrives_garbled_is_refused_and_nothing_is_built(hub: LocalHub, in_process,
+                                                                             tmp_path: Path, tiny_checkpoint: Path,
+                                                                             where: str) -> None:
+    big, size = _biggest_shard(tiny_checkpoint)
+    hub.clear_log()
+    if where == "resumed in the same run":
+        hub.cut(REPO, big, at_byte=size // 2, times=1)
+    hub.corrupt(REPO, big, at_byte=size * 3 // 4, times=None)
+    result = _build_with_faults(hub, in_process, tmp_path / "out")
+    sha = hashlib.sha256((tiny_checkpoint / big).read_bytes()).hexdigest()
+    one_line_error(result, big, REPO, f"sha256 {sha[:12]}", "2 downloads", "nothing was built")
+    assert len(_transfers(hub, tiny_checkpoint, big)) == (3 if where != "whole download" else 2)
+    assert not (tmp_path / "out").exists()
+    storage = _storage(tmp_path / "cache")
+    assert not list((storage / "blobs").glob(f"{sha}*")) and not (storage / "snapshots" / hub.main / big).exists()
+
+
+@pytest.mark.parametrize("garbled", ["in the bytes kept", "in the resumed bytes"])
+def test_a_resume_by_a_later_run_that_does_not_match_is_downloaded_afresh(hub: LocalHub, in_process, tmp_path: Path,
+                                                                          tiny_checkpoint: Path, garbled: str) -> None:
+    big, size = _biggest_shard(tiny_checkpoint)
+    data = (tiny_checkpoint / big).read_bytes()
+    sha = hashlib.sha256(data).hexdigest()
+    kept = _storage(tmp_path / "cache") / "blobs" / f"{sha}.incomplete"  # what a broken run leaves (tested above)
+    kept.parent.mkdir(parents=True)
+    kept.write_bytes(data[:size // 2])
+    if garbled == "in the bytes kept":
+        _flip(kept, size // 4)
+    else:
+        hub.corrupt(REPO, big, at_byte=size * 3 // 4, times=1)
+    hub.clear_log()
+    result = _build_with_faults(hub, in_process, tmp_path / "out")
+    _one_warning(result, big, "resumed download", "downloaded again")
+    assert _transfers(hub, tiny_checkpoint, big) == [(size // 2, size - size // 2), (0, size)]
+    assert filecmp.cmp(_storage(tmp_path / "cache") / "snapshots" / hub.main / big, tiny_checkpoint / big,
+                       shallow=False)
+    assert not kept.exists()
+
+
+@pytest.mark.parametrize("times", [1, None])
+def test_a_small_file_garbled_in_transfer_is_checked_against_its_git_blob_id(hub: LocalHub, in_process,
+                                                                             tmp_path: Path, tiny_checkpoint: Path,
+                                                                             times: int | None) -> None:
+    name = "tokenizer.json"  # kept in git, not LFS: its digest is its git blob id
+    data = (tiny_checkpoint / name).read_bytes()
+    blob_id = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+    hub.clear_log()
+    hub.corrupt(REPO, name, at_byte=len(data) // 2, times=times)
+    result = _build_with_faults(hub, in_process, tmp_path / "out")
+    if times is None:
+        one_line_error(result, name, f"git blob sha1 {blob_id[:12]}", "2 downloads")
+        assert not (tmp_path / "out").exists()
+        assert not list((_storage(tmp_path / "cache") / "blobs").glob(f"{blob_id}*"))
+        return
+    _one_warning(result, name, "git blob sha1", "downloaded again")
+    assert filecmp.cmp(_storage(tmp_path / "cache") / "snapshots" / hub.main / name, tiny_checkpoint / name,
+                       shallow=False)
+    assert filecmp.cmp(tmp_path / "out" / name, tiny_checkpoint / name, shallow=False)
+
+
+@pytest.mark.parametrize("kind", ["shard", "tokenizer.json"])
+def test_a_file_damaged_in_the_cache_is_downloaded_again_and_refused_offline(hub: LocalHub, in_process,
+                                                                            monkeypatch, tmp_path: Path,
+                                                                            tiny_checkpoint: Path, kind: str) -> None:
+    name = _biggest_shard(tiny_checkpoint)[0] if kind == "shard" else kind
+    entry = _storage(tmp_path / "cache") / "snapshots" / hub.main / name
+    first = in_process("-m", REPO, "-o", str(tmp_path / "first"), *BUILD)
+    assert first.returncode == 0 and _warnings(first) == [], first.stderr
+    blob = entry.resolve()
+    _flip(blob, blob.stat().st_size // 2)  # bit rot, or a tool that wrote into the cache
+    hub.clear_log()
+    again = in_process("-m", REPO, "-o", str(tmp_path / "again"), *BUILD)
+    _one_warning(again, name, "does not match", "downloading it again")
+    assert hub.downloads() == [name]
+    assert filecmp.cmp(entry, tiny_checkpoint / name, shallow=False)
+
+    _flip(entry.resolve(), 7)
+    hub.clear_log()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    offline = in_process("-m", REPO, "-o", str(tmp_path / "offline"), *BUILD)
+    one_line_error(offline, name, "does not match", "run once online")
+    assert hub.log == [] and not (tmp_path / "offline").exists()
+    assert not entry.exists() and not blob.exists()  # removed: the next online run fetches it
+
+
+def test_dry_run_reads_a_fresh_copy_of_a_damaged_cached_file_and_leaves_the_cache_as_it_was(
+        hub: LocalHub, in_process, tmp_path: Path) -> None:
+    first = in_process("-m", REPO, "-o", str(tmp_path / "first"), *BUILD)
+    assert first.returncode == 0, first.stderr
+    cache = tmp_path / "cache"
+    _flip((_storage(cache) / "snapshots" / hub.main / "config.json").resolve(), 0)  # no longer JSON
+    before = {p: p.read_bytes() for p in cache.rglob("*") if p.is_file()}
+    result = in_process("-m", REPO, "-o", str(tmp_path / "out"), "--dry-run")
+    _one_warning(result, "config.json", "git blob sha1", "a build would download it again")
+    assert hub.main in result.stdout
+    assert {p: p.read_bytes() for p in cache.rglob("*") if p.is_file()} == before

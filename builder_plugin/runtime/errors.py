@@ -16,7 +16,11 @@ class MediaNotFoundError(ChatError):
 
 
 class UnsupportedMediaError(ChatError):
-    """An image or audio file is not in a format the runtime reads."""
+    """An image or audio file cannot be read (`source` names it: a path, or a request's part)."""
+
+    def __init__(self, message: str, source: str | None = None) -> None:
+        super().__init__(message)
+        self.source = source
 
 
 class TagMismatchError(ChatError):

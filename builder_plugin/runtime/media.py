@@ -1,60 +1,71 @@
-"""Image and audio files, checked before the runtime sees them.
+"""Media for a conversation: the files an app names, decoded safely (builder_plugin.media) into the canonical bytes
+handed to onnxruntime-genai, whose own image decoder can hang or end the process on a broken JPEG.
 
-The image decoder of onnxruntime-extensions reads PNG and JPEG only, and any other image content ends the process from
-inside its JPEG fallback, so image files are recognised by their signature first.
+    image = open_image("photo.jpg")  # Pillow, in a separate process, with limits
+    inputs = processor(prompt, images=og.Images.open_bytes(image.data))
 """
 
 from __future__ import annotations
 
-import re
+import atexit
+import threading
+from collections.abc import Iterable
 from pathlib import Path
 
-from builder_plugin.runtime.errors import MediaNotFoundError, UnsupportedMediaError
+import onnxruntime_genai as og
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
-AUDIO_SUFFIXES = (".wav", ".mp3", ".flac")
-IMAGE_SIGNATURES = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff")
+from builder_plugin.media import Media, MediaDecoder, MediaError, MediaNotFoundError
+from builder_plugin.runtime.errors import MediaNotFoundError as MissingMediaError
+from builder_plugin.runtime.errors import UnsupportedMediaError
 
-# Clearer wording for decoder messages of onnxruntime-extensions.
-DECODER_HINTS = {
-    "only down-sampling supported": "sample rates below 8000 Hz are not supported",
-    "Cannot detect audio stream format": "not a WAV, MP3 or FLAC file",
-}
+MediaSource = str | Path | Media  # a file, or media already decoded
 
-
-def check_image(path: str | Path) -> Path:
-    """`path` as a Path if it is an existing PNG or JPEG file; raises MediaNotFoundError / UnsupportedMediaError."""
-    path = _existing(path, "image")
-    if path.suffix.lower() not in IMAGE_SUFFIXES:
-        raise UnsupportedMediaError(f"unsupported image format {path.suffix or '(no extension)'!r}: {path} "
-                                    f"(use {', '.join(IMAGE_SUFFIXES)})")
-    with open(path, "rb") as f:
-        head = f.read(8)
-    if not any(head.startswith(signature) for signature in IMAGE_SIGNATURES):
-        raise UnsupportedMediaError(f"not a PNG or JPEG image: {path}")
-    return path
+_A = {"image": "an image", "audio": "an audio clip"}
+_default: MediaDecoder | None = None
+_default_lock = threading.Lock()
 
 
-def check_audio(path: str | Path) -> Path:
-    """`path` as a Path if it is an existing file with an audio extension the runtime decodes (its content is checked
-    when the question is processed)."""
-    path = _existing(path, "audio")
-    if path.suffix.lower() not in AUDIO_SUFFIXES:
-        raise UnsupportedMediaError(f"unsupported audio format {path.suffix or '(no extension)'!r}: {path} "
-                                    f"(use {', '.join(AUDIO_SUFFIXES)})")
-    return path
+def default_decoder() -> MediaDecoder:
+    """The process's decoder with the default limits (its process starts on first use, stops at exit)."""
+    global _default
+    with _default_lock:
+        if _default is None:
+            _default = MediaDecoder()
+            atexit.register(_default.close)
+        return _default
 
 
-def decoder_reason(message: str) -> str:
-    """'[AudioDecoder]: only down-sampling supported.' -> 'sample rates below 8000 Hz are not supported'"""
-    reason = re.sub(r"^\[\w+\]:\s*", "", message).rstrip(".")
-    return DECODER_HINTS.get(reason, reason)
+def open_image(source: MediaSource, decoder: MediaDecoder | None = None) -> Media:
+    """An image file decoded (Media pass through); raises MediaNotFoundError or UnsupportedMediaError."""
+    return _open("image", source, decoder)
 
 
-def _existing(path: str | Path, what: str) -> Path:
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise MediaNotFoundError(f"{what} file not found: {path}")
-    if not path.is_file():
-        raise MediaNotFoundError(f"{what} path is not a file: {path}")
-    return path
+def open_audio(source: MediaSource, decoder: MediaDecoder | None = None) -> Media:
+    """An audio file decoded (Media pass through); raises MediaNotFoundError or UnsupportedMediaError."""
+    return _open("audio", source, decoder)
+
+
+def og_images(images: Iterable[Media]) -> og.Images | None:
+    """onnxruntime-genai Images of decoded images (None for none)."""
+    data = [image.data for image in images]
+    return og.Images.open_bytes(*data) if data else None
+
+
+def og_audios(audios: Iterable[Media]) -> og.Audios | None:
+    """onnxruntime-genai Audios of decoded clips (None for none)."""
+    data = [audio.data for audio in audios]
+    return og.Audios.open_bytes(*data) if data else None
+
+
+def _open(kind: str, source: MediaSource, decoder: MediaDecoder | None) -> Media:
+    if isinstance(source, Media):
+        if source.kind != kind:
+            raise UnsupportedMediaError(f"{source.source}: {_A[kind]} was expected, not {_A[source.kind]}",
+                                        source.source)
+        return source
+    try:
+        return (decoder or default_decoder()).open(kind, source)
+    except MediaNotFoundError as exc:
+        raise MissingMediaError(exc.reason + f": {exc.source}") from None
+    except MediaError as exc:
+        raise UnsupportedMediaError(str(exc), exc.source) from None

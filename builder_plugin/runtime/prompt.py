@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from builder_plugin.media import Media
 from builder_plugin.runtime.errors import TagMismatchError
 
 END = "<|end|>"  # end of a turn; also the end-of-sequence token that closes an answer
@@ -25,11 +25,14 @@ class Turn:
     them (``<|tool|>result<|end|>`` per result)."""
 
     user: str
-    images: tuple[Path, ...] = ()
-    audios: tuple[Path, ...] = ()
+    images: tuple[Media, ...] = ()  # decoded (runtime.open_image): equal when their canonical bytes are
+    audios: tuple[Media, ...] = ()
     assistant: str | None = None
     answer_ids: tuple[int, ...] | None = field(default=None, compare=False)
     role: str = USER
+
+    def __post_init__(self) -> None:
+        check_tags(self.user, len(self.images), len(self.audios))  # once: a prompt built from turns trusts them
 
     def asks_as(self, other: Turn) -> bool:
         """Both turns ask the same question (text, files and role), whatever their answers."""
@@ -59,20 +62,34 @@ def check_tags(text: str, num_images: int, num_audios: int) -> None:
             raise TagMismatchError(f"{kind} tags must be {expected} in this order (one per attached file)")
 
 
+def tagged(parts: Sequence[str | Media]) -> str:
+    """The text of a question made of `parts` in order: texts (consecutive ones joined by a newline) and media, each
+    image or clip tagged where it stands (``<|image_N|>``, ``<|audio_N|>``, numbered per kind) unless the texts write
+    their own tags of its kind (then one per file, in order: check_tags)."""
+    texts = "".join(part for part in parts if isinstance(part, str))
+    written = {kind for kind, _ in _TAG.findall(texts)}
+    pieces: list[str] = []
+    counts = {"image": 0, "audio": 0}
+    previous_text = False
+    for part in parts:
+        if isinstance(part, str):
+            if previous_text:
+                pieces.append("\n")
+            pieces.append(part)
+        elif part.kind not in written:
+            counts[part.kind] += 1
+            pieces.append(f"<|{part.kind}_{counts[part.kind]}|>")
+        previous_text = isinstance(part, str)
+    return "".join(pieces)
+
+
 def user_content(turn: Turn, first_image: int = 1, first_audio: int = 1) -> str:
-    """The user text of `turn` with its media tags numbered from `first_image` / `first_audio` (tags count across the
-    whole conversation; the runtime takes files in order of appearance)."""
-    check_tags(turn.user, len(turn.images), len(turn.audios))
-    text = turn.user
+    """The user text of `turn`, its files tagged before the text unless it writes its own tags (tagged), numbered
+    from `first_image` / `first_audio` (tags count across the whole conversation; the runtime takes files in order
+    of appearance)."""
+    text = tagged([*turn.images, *turn.audios, turn.user]) if turn.images or turn.audios else turn.user
     offsets = {"image": first_image - 1, "audio": first_audio - 1}
-    text = _TAG.sub(lambda m: f"<|{m[1]}_{int(m[2]) + offsets[m[1]]}|>", text)
-    written = {kind for kind, _ in _TAG.findall(turn.user)}
-    prefix = ""
-    if "image" not in written:
-        prefix += "".join(f"<|image_{first_image + i}|>" for i in range(len(turn.images)))
-    if "audio" not in written:
-        prefix += "".join(f"<|audio_{first_audio + i}|>" for i in range(len(turn.audios)))
-    return prefix + text
+    return _TAG.sub(lambda m: f"<|{m[1]}_{int(m[2]) + offsets[m[1]]}|>", text)
 
 
 def build_prompt(turns: Sequence[Turn | str], system: str | None = None, header: str | None = None) -> str:

@@ -9,12 +9,15 @@ import os
 import socket
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from builder_plugin import __version__
+from builder_plugin.media.limits import MediaLimits
 from builder_plugin.precisions import EXECUTION_PROVIDERS
 from builder_plugin.serve import defaults
 
 API_KEYS_VARIABLE = "BUILDER_PLUGIN_API_KEYS"
+LIMITS = MediaLimits()
 
 
 def make_parser() -> argparse.ArgumentParser:
@@ -36,26 +39,37 @@ def make_parser() -> argparse.ArgumentParser:
                    "conversations of --max-length)")
     p.add_argument("--drain-seconds", type=float, default=defaults.DRAIN_SECONDS, metavar="S",
                    help="on SIGTERM, SIGINT or SIGHUP: how long answers in progress may go on before they end "
-                   "with finish_reason \"length\"; new requests get 503 at once (default: %(default)s)")
+                   "with finish_reason \"length\"; meanwhile the server keeps listening and answers new requests and "
+                   "GET /health with 503, then closes (default: %(default)s)")
     p.add_argument("--max-body-mb", type=float, default=32, metavar="N",
                    help="largest request body in MB; larger ones get 413 (default: %(default)s)")
     p.add_argument("--allow-local-files", action="store_true",
                    help="accept file:// image URLs (paths on this machine)")
-    p.add_argument("--media-cache", metavar="DIR", default=None,
-                   help="folder for decoded media; the files the server wrote are deleted when it stops, and the "
-                   "folder too if it created it (default: a temporary folder)")
-    p.add_argument("--media-cache-mb", type=float, default=1024, metavar="N",
-                   help="size the media cache is kept under, in MB (default: %(default)s)")
+    p.add_argument("--media-cache-mb", type=float, default=defaults.MEDIA_CACHE_MB, metavar="N",
+                   help="decoded images and clips kept in memory, so a conversation sent again is not decoded again "
+                   "(nothing a client sends is written to disk), in MB (default: %(default)s)")
+    p.add_argument("--max-image-megapixels", type=float, default=LIMITS.max_image_pixels / 1e6, metavar="N",
+                   help="largest image a request may send, in megapixels (default: %(default)g; also at most "
+                   f"{LIMITS.max_image_side} pixels a side)")
+    p.add_argument("--max-audio-seconds", type=float, default=LIMITS.max_audio_seconds, metavar="S",
+                   help="longest audio clip a request may send (default: %(default)g)")
+    p.add_argument("--media-timeout", type=float, default=LIMITS.decode_seconds, metavar="S",
+                   help="an image or clip that takes longer to decode is refused (400) (default: %(default)g)")
     p.add_argument("--max-length", type=int, default=None,
                    help="longest conversation in tokens, prompt included (default: the package's search.max_length)")
     p.add_argument("--max-tokens", type=int, default=defaults.MAX_TOKENS, metavar="N",
                    help="longest answer of a request without max_tokens; a request may ask for less, or for more "
                    "up to the maximum length (default: %(default)s)")
     p.add_argument("--api-key", action="append", metavar="KEY", dest="api_keys",
-                   help="require `Authorization: Bearer KEY` on every request but GET /health (others get 401); "
-                   f"repeat for several keys. Without --api-key, the comma-separated keys of ${API_KEYS_VARIABLE} "
-                   "are required if it is set and not empty (it keeps the keys out of the process list); "
-                   "without either, every request is accepted")
+                   help="require `Authorization: Bearer KEY` on every API request (others get 401; GET /health "
+                   "and the chat page stay open); repeat for several keys. Without --api-key, the comma-separated "
+                   f"keys of ${API_KEYS_VARIABLE} are required if it is set and not empty (it keeps the keys out "
+                   "of the process list); without either, every request is accepted")
+    p.add_argument("--allowed-origins", action="append", metavar="ORIGINS",
+                   help="browser origins (comma-separated, or repeat; e.g. https://app.example.com, * for any) whose "
+                   "pages may call the server (CORS; preflights are answered without a key); default: none")
+    p.add_argument("--no-ui", dest="ui", action="store_false",
+                   help="do not serve the chat page at / (the API only)")
     p.add_argument("-e", "--execution-provider", choices=EXECUTION_PROVIDERS, default=None,
                    help="run on this provider (default: the one the package was built for)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
@@ -83,18 +97,22 @@ def serve(args: argparse.Namespace) -> int:
         import uvicorn
 
         from builder_plugin.serve.app import MB, Server
+        from builder_plugin.serve.cors import check_origins
         from builder_plugin.serve.pool import GB
         from builder_plugin.serve.shutdown import StoppableServer, interrupting_signals
     except ImportError as exc:
         raise RuntimeError(f"{exc.name} is missing: install the serve extra (pip install -e \".[serve]\")") from None
 
-    from builder_plugin.runtime import Chat
+    from builder_plugin.media import MediaDecoder
+    from builder_plugin.runtime import Package
     from builder_plugin.serve.media import MediaCache
 
     if args.max_queue < 1:
         raise ValueError("--max-queue must be at least 1")
     if args.max_body_mb <= 0 or args.media_cache_mb <= 0:
         raise ValueError("--max-body-mb and --media-cache-mb must be positive")
+    if min(args.max_image_megapixels, args.max_audio_seconds, args.media_timeout) <= 0:
+        raise ValueError("--max-image-megapixels, --max-audio-seconds and --media-timeout must be positive")
     if args.max_tokens < 1:
         raise ValueError("--max-tokens must be at least 1")
     if args.max_conversations < 1:
@@ -103,28 +121,37 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError("--kv-budget-gb must be positive")
     if args.drain_seconds < 0:
         raise ValueError("--drain-seconds must not be negative")
+    limits = replace(LIMITS, max_image_pixels=int(args.max_image_megapixels * 1e6),
+                     max_audio_seconds=args.max_audio_seconds, decode_seconds=args.media_timeout)
     api_keys = requested_keys(args.api_keys, os.environ)
+    origins = check_origins(args.allowed_origins or ())
     with interrupting_signals():  # stopped while loading: main() returns 130, nothing is left behind
-        chat = Chat(args.package, max_length=args.max_length, execution_provider=args.execution_provider,
-                    threads=args.threads)
-        chat.load(chat.variant_for(has_image=False, has_audio=False))  # the first text request does not wait for it
+        package = Package(args.package, max_length=args.max_length, execution_provider=args.execution_provider,
+                          threads=args.threads)
+        package.load(package.variant_for(has_image=False, has_audio=False))  # the first request does not wait for it
         listener = socket.create_server((args.host, args.port))
         host, port = listener.getsockname()[:2]
-        cache = MediaCache(args.media_cache, int(args.media_cache_mb * MB))
+        cache = MediaCache(MediaDecoder(limits, processes=defaults.MEDIA_PROCESSES), int(args.media_cache_mb * MB))
         try:
             budget = int(args.kv_budget_gb * GB) if args.kv_budget_gb is not None else None
-            routes = Server(chat, cache, max_queue=args.max_queue, max_body_bytes=int(args.max_body_mb * MB),
+            routes = Server(package, cache, max_queue=args.max_queue, max_body_bytes=int(args.max_body_mb * MB),
                             allow_local_files=args.allow_local_files, max_tokens=args.max_tokens,
-                            max_conversations=args.max_conversations, kv_budget_bytes=budget, api_keys=api_keys)
+                            max_conversations=args.max_conversations, kv_budget_bytes=budget, api_keys=api_keys,
+                            ui=args.ui, allowed_origins=origins)
             server = StoppableServer(uvicorn.Config(routes.app(), log_level="debug" if args.verbose else "info",
                                                     timeout_graceful_shutdown=args.drain_seconds + 5))
-            server.on_stop = functools.partial(routes.worker.drain, args.drain_seconds)
+            server.drain = functools.partial(routes.worker.drain, args.drain_seconds, wait=True)
             print(f"serving {routes.model_id} at http://{host}:{port}/v1", flush=True)
-            print(f"API keys: {len(api_keys)} accepted, required on every request but GET /health" if api_keys else
+            print(f"API keys: {len(api_keys)} accepted, required on every request but GET /health and the page"
+                  if api_keys else
                   f"API keys: none (every request is accepted; --api-key or ${API_KEYS_VARIABLE} requires one)",
                   flush=True)
             print(f"up to {routes.pool.max_conversations} conversations at once, their KV caches kept under "
                   f"{routes.pool.kv_budget_bytes / GB:.2f} GB", flush=True)
+            if routes.page is not None:
+                print(f"chat page at http://{host}:{port}/ (--no-ui turns it off)", flush=True)
+            if origins:
+                print(f"browsers on {', '.join(origins)} may call the server (CORS)", flush=True)
             server.run(sockets=[listener])
         finally:
             cache.close()  # also done by the app's shutdown; here too in case it did not run

@@ -1,18 +1,16 @@
-"""The ASGI app: /v1/chat/completions (JSON or server-sent events), /v1/models, /health and /metrics, in front of one
-Worker that answers in the kept conversations of a ConversationPool; with API keys, every route but /health needs
-one."""
+"""The ASGI app: /v1/chat/completions (JSON or server-sent events), /v1/models, /health, /metrics and the chat page
+(/), in front of one Worker that answers in the kept conversations of a ConversationPool; with API keys, every route
+but /health and the page needs one; with allowed origins, browsers on them may call it (CORS)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
@@ -23,14 +21,16 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from builder_plugin.runtime import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Chat, TokenLogprob
+from builder_plugin.runtime import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Chat, Package, TokenLogprob
 from builder_plugin.serve import defaults
-from builder_plugin.serve.auth import BearerAuth, check_keys
+from builder_plugin.serve.auth import OPEN, BearerAuth, check_keys
+from builder_plugin.serve.cors import check_origins, cors_middleware
 from builder_plugin.serve.errors import ApiError
 from builder_plugin.serve.media import MediaCache, MediaReader
 from builder_plugin.serve.metrics import CountChatResponses, Metrics
+from builder_plugin.serve.page import ChatPage
 from builder_plugin.serve.pool import ConversationPool, available_memory, default_kv_budget
-from builder_plugin.serve.protocol import ChatCompletionRequest, Reply, parse_conversation, parse_request, usage
+from builder_plugin.serve.protocol import ChatRequest, Reply, parse_messages, parse_request, usage
 from builder_plugin.serve.tools import stream_deltas
 from builder_plugin.serve.worker import Event, Failed, Finished, Job, Piece, Started, ToolCalls, Worker
 
@@ -44,26 +44,33 @@ class ClientGone(Exception):
 
 
 class Server:
-    """The routes and the state they share: the Chat (and its siblings in the pool) behind one Worker, the media
-    cache and the limits. `kv_budget_bytes` None: the pool's default (pool.default_kv_budget)."""
+    """The routes and the state they share: the opened package, its conversations in the pool behind one Worker, the
+    media cache and the limits. `kv_budget_bytes` None: the pool's default (pool.default_kv_budget); `ui`: serve the
+    chat page; `allowed_origins`: the browser origins that may call the server (none: CORS is off; `*`: any);
+    `new_chat` makes the pool's Chats (a test may hold them)."""
 
-    def __init__(self, chat: Chat, media_cache: MediaCache, *, model_id: str | None = None,
+    def __init__(self, package: Package, media_cache: MediaCache, *, model_id: str | None = None,
                  max_queue: int = defaults.MAX_QUEUE, max_body_bytes: int = 32 * MB, allow_local_files: bool = False,
                  max_tokens: int | None = None, max_conversations: int = defaults.MAX_CONVERSATIONS,
-                 kv_budget_bytes: int | None = None, api_keys: Sequence[str] = ()) -> None:
-        self.chat = chat
-        self.model_id = model_id or Path(chat.package_dir).resolve().name
+                 kv_budget_bytes: int | None = None, api_keys: Sequence[str] = (), ui: bool = True,
+                 allowed_origins: Sequence[str] = (), new_chat: Callable[[Package], Chat] = Chat) -> None:
+        self.package = package
+        self.model_id = model_id or package.dir.resolve().name
         self.media_cache = media_cache
         self.max_body_bytes = max_body_bytes
         self.allow_local_files = allow_local_files
         self.max_tokens = max_tokens  # of a request without max_tokens (None: up to the maximum length)
-        budget = kv_budget_bytes or default_kv_budget(chat, max_conversations, available_memory())
-        self.pool = ConversationPool(chat, max_conversations, budget)
+        budget = kv_budget_bytes or default_kv_budget(package, max_conversations, available_memory())
+        self.pool = ConversationPool(package, max_conversations, budget, new_chat)
         self.worker = Worker(self.pool, max_queue)
         self.api_keys = check_keys(api_keys)  # none: every request is accepted
+        self.page = ChatPage() if ui else None
+        self.allowed_origins = check_origins(allowed_origins)
         self.metrics = Metrics(queue_depth=lambda: self.worker.waiting, active_requests=lambda: self.worker.answering,
                                live_conversations=lambda: self.pool.live_conversations,
-                               kv_bytes=lambda: self.pool.kv_bytes)
+                               kv_bytes=lambda: self.pool.kv_bytes,
+                               kv_usage=lambda: min(1.0, self.pool.kv_bytes / self.pool.kv_budget_bytes),
+                               model_name=self.model_id)
 
     def app(self) -> Starlette:
         @contextlib.asynccontextmanager
@@ -81,22 +88,28 @@ class Server:
             Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
             Route("/metrics", self.metrics_text, methods=["GET"]),
+            *(self.page.routes() if self.page is not None else ()),
         ]
         handlers = {HTTPException: _http_error, ApiError: _api_error, ClientGone: _client_gone,
                     Exception: _unexpected_error}
-        middleware = [Middleware(CountChatResponses, metrics=self.metrics)]  # outermost: it also counts the 401s
+        # outermost: CORS answers preflights (never counted nor asked for a key) and adds its headers to every answer
+        middleware = [cors_middleware(self.allowed_origins)] if self.allowed_origins else []
+        middleware.append(Middleware(CountChatResponses, metrics=self.metrics))  # it also counts the 401s
         if self.api_keys:
-            middleware.append(Middleware(BearerAuth, keys=self.api_keys))
+            open_paths = OPEN | (self.page.open_paths if self.page is not None else frozenset())
+            middleware.append(Middleware(BearerAuth, keys=self.api_keys, open_paths=open_paths))
         return Starlette(routes=routes, exception_handlers=handlers, middleware=middleware, lifespan=lifespan)
 
     # ---- routes --------------------------------------------------------------------------------------------------
 
     async def health(self, _: Request) -> Response:
-        return JSONResponse({"status": "ok", "model": self.model_id, "busy": self.worker.busy,
-                             "answering": self.worker.answering, "waiting": self.worker.waiting,
-                             "max_queue": self.worker.max_queue, "conversations": self.pool.live_conversations,
-                             "max_conversations": self.pool.max_conversations, "kv_bytes": self.pool.kv_bytes,
-                             "kv_budget_bytes": self.pool.kv_budget_bytes})
+        """Readiness: 200 while requests are taken, 503 once a stop signal drains the server."""
+        draining = self.worker.stopping
+        body = {"status": "draining" if draining else "ok", "model": self.model_id, "busy": self.worker.busy,
+                "answering": self.worker.answering, "waiting": self.worker.waiting, "max_queue": self.worker.max_queue,
+                "conversations": self.pool.live_conversations, "max_conversations": self.pool.max_conversations,
+                "kv_bytes": self.pool.kv_bytes, "kv_budget_bytes": self.pool.kv_budget_bytes}
+        return JSONResponse(body, status_code=503 if draining else 200)
 
     async def metrics_text(self, _: Request) -> Response:
         body, content_type = self.metrics.exposition()
@@ -116,58 +129,45 @@ class Server:
         if parsed.model is not None and parsed.model != self.model_id:
             raise _unknown_model(parsed.model)
         media = MediaReader(self.media_cache, self.allow_local_files)
-        release = functools.partial(self.media_cache.release, media.stored)  # the files may be evicted again
         reply = Reply.new(self.model_id)
-        streaming = refused = False
-        try:
-            job, events = await self._submit(parsed, media, received)
-            if parsed.stream:
-                first = await _until_disconnect(request, job, events.get())
-                if isinstance(first, Failed):
-                    raise first.error
-                streaming = True  # the stream releases the media when it ends
-                return StreamingResponse(_stream(job, events, reply, parsed.include_usage, release),
-                                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-            answer = await _until_disconnect(request, job, _collect(events))
-        except ApiError:
-            refused = True  # the files of a refused request are not kept
-            raise
-        finally:
-            if not streaming:
-                release(discard=refused)
+        job, events = await self._submit(parsed, media, received)
+        if parsed.stream:
+            first = await _until_disconnect(request, job, events.get())
+            if isinstance(first, Failed):
+                raise first.error
+            return StreamingResponse(_stream(job, events, reply, parsed.include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        answer = await _until_disconnect(request, job, _collect(events))
         finished = answer.finished
         return JSONResponse(reply.completion(answer.text or (None if answer.calls else ""), finished.finish_reason,
                                              usage(finished.prompt_tokens, finished.completion_tokens),
-                                             answer.calls, answer.logprobs if job.logprobs is not None else None))
+                                             answer.calls, answer.logprobs if parsed.logprobs is not None else None))
 
-    async def _submit(self, parsed: ChatCompletionRequest, media: MediaReader,
+    async def _submit(self, parsed: ChatRequest, media: MediaReader,
                       received: float) -> tuple[Job, asyncio.Queue[Event]]:
-        """Parse the messages (decoding media into the cache) and queue the job; raises ApiError (400, 429).
+        """Parse the messages (decoding their media) and queue the job; raises ApiError (400, 429).
         `received`: the perf_counter time the request arrived (of the time-to-first-token metric)."""
-        tools = parsed.tool_spec
-        if tools is not None and tools.offered and not await run_in_threadpool(self._has_tool_tokens):
+        if parsed.tools is not None and not await run_in_threadpool(self._has_tool_tokens):
             raise ApiError(f"tools: this model's tokenizer has no tool-call tokens ({TOOL_CALL_OPEN}, "
                            f"{TOOL_CALL_CLOSE}), so it cannot call tools", param="tools", code="tools_not_supported")
-        conversation = await run_in_threadpool(parse_conversation, parsed.messages, media)
-        if conversation.has_audio and not self.chat.has_speech:
+        exchange = await run_in_threadpool(parse_messages, parsed.messages, media)
+        if exchange.has_audio and not self.package.has_speech:
             raise ApiError("this model has no speech encoder, so it cannot take audio", param="messages",
                            code="audio_not_supported")
         events: asyncio.Queue[Event] = asyncio.Queue()
-        job = Job(conversation, emit=_recording(self.metrics, received, _emitter(asyncio.get_running_loop(), events)),
-                  max_new_tokens=parsed.max_new_tokens or self.max_tokens, sampling=parsed.sampling,
-                  stops=parsed.stop_strings, labels=media.labels, guidance=parsed.guidance, tools=tools,
-                  logprobs=parsed.top)
+        job = Job(parsed, exchange, _recording(self.metrics, received, _emitter(asyncio.get_running_loop(), events)),
+                  max_new_tokens=parsed.max_new_tokens or self.max_tokens)
         self.worker.submit(job)
         return job, events
 
     # ---- helpers -------------------------------------------------------------------------------------------------
 
     def _has_tool_tokens(self) -> bool:
-        return {TOOL_CALL_OPEN, TOOL_CALL_CLOSE} <= self.chat.token_bytes.added
+        return self.package.load(self.package.main_decoder).tokens.tool_call is not None
 
     def _model_card(self) -> dict[str, Any]:
         return {"id": self.model_id, "object": "model", "created": 0, "owned_by": "builder_plugin",
-                "max_tokens": self.max_tokens or self.chat.max_length, "max_length": self.chat.max_length}
+                "max_tokens": self.max_tokens or self.package.max_length, "max_length": self.package.max_length}
 
     async def _read_body(self, request: Request) -> bytes:
         too_large = ApiError(f"the request body is larger than the limit of {self.max_body_bytes / MB:g} MB "
@@ -259,11 +259,10 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _stream(job: Job, events: asyncio.Queue[Event], reply: Reply, include_usage: bool,
-                  release: Callable[[], None]) -> AsyncIterator[str]:
+async def _stream(job: Job, events: asyncio.Queue[Event], reply: Reply, include_usage: bool) -> AsyncIterator[str]:
     """Server-sent events: a role chunk, content chunks, a finish chunk, a usage chunk when asked, then [DONE].
     Starlette cancels this when the client disconnects; the job is then cancelled too."""
-    logprobs = job.logprobs is not None
+    logprobs = job.request.logprobs is not None
     try:
         yield _sse(reply.chunk({"role": "assistant", "content": ""}))
         while True:
@@ -286,7 +285,6 @@ async def _stream(job: Job, events: asyncio.Queue[Event], reply: Reply, include_
         yield "data: [DONE]\n\n"
     finally:
         job.cancel()
-        release()
 
 
 def _sse(data: dict[str, Any]) -> str:

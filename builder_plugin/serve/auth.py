@@ -1,12 +1,12 @@
 """API keys: an ASGI middleware that lets through only requests carrying `Authorization: Bearer <key>` of a known key
-(GET /health stays open, for load balancers and process managers)."""
+(GET /health stays open, for load balancers and process managers, and so does the chat page, which holds no secret)."""
 
 from __future__ import annotations
 
 import hashlib
 import hmac
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from builder_plugin.serve.errors import ApiError
@@ -29,16 +29,18 @@ class BearerAuth:
     Bearer`. Keys are compared as SHA-256 digests with `hmac.compare_digest`, against every key, so the time taken
     says nothing of which key nearly matched, nor of a key's length."""
 
-    def __init__(self, app: Any, keys: Sequence[str]) -> None:
+    def __init__(self, app: Any, keys: Sequence[str], open_paths: Collection[tuple[str, str]] = OPEN) -> None:
+        """`open_paths`: the (method, path) pairs served without a key."""
         keys = check_keys(keys)
         if not keys:
             raise ValueError("BearerAuth needs at least one key")
         self.app = app
+        self.open_paths = frozenset(open_paths)
         self._digests = tuple(_digest(key.encode("ascii")) for key in keys)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         # lifespan passes, and so do websockets: no route takes one
-        if scope["type"] != "http" or (scope["method"], scope["path"]) in OPEN:
+        if scope["type"] != "http" or (scope["method"], scope["path"]) in self.open_paths:
             await self.app(scope, receive, send)
             return
         token = _bearer_token(scope["headers"])

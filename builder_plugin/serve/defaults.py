@@ -4,3 +4,5 @@ MAX_TOKENS = 1024  # of an answer without max_tokens: at ~10 tokens/s (full-size
 MAX_CONVERSATIONS = 8  # kept with their KV caches, and answered at once
 MAX_QUEUE = 16  # requests waiting for a conversation to answer in
 DRAIN_SECONDS = 10.0  # answers in progress may go on this long after a stop signal
+MEDIA_CACHE_MB = 256  # decoded images and clips kept in memory
+MEDIA_PROCESSES = 2  # decoder processes: a slow file holds one, not every request's media

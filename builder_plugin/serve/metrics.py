@@ -1,6 +1,7 @@
 """Prometheus metrics of one server, in a registry of its own (several servers may live in one process): request
-counts by status, token counts, latency histograms, and gauges read at scrape time. The recording methods are
-thread-safe (prometheus_client's are), so the worker thread may call them."""
+counts by status, token counts, latency histograms, and gauges read at scrape time, also under the names the routers
+in front of vLLM read (the Kubernetes Gateway API inference extension's model-server protocol, llm-d). The recording
+methods are thread-safe (prometheus_client's are), so the worker thread may call them."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 PREFIX = "builder_plugin_"
+GATEWAY_PREFIX = "vllm:"  # labelled model_name, as vLLM's
 # The classic text format: every Prometheus version parses it (generate_latest writes it for plain metric names).
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 CHAT_PATH = "/v1/chat/completions"
@@ -21,7 +23,9 @@ TOKEN_INTERVAL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0
 
 class Metrics:
     def __init__(self, *, queue_depth: Callable[[], int], active_requests: Callable[[], int],
-                 live_conversations: Callable[[], int], kv_bytes: Callable[[], int]) -> None:
+                 live_conversations: Callable[[], int], kv_bytes: Callable[[], int], kv_usage: Callable[[], float],
+                 model_name: str) -> None:
+        """`kv_usage`: the KV cache held, as a fraction (0 to 1) of what may be held."""
         self.registry = CollectorRegistry()
         registry = self.registry
         self._requests = Counter(f"{PREFIX}requests", f"responses to {CHAT_PATH}, by HTTP status (499: the "
@@ -42,6 +46,13 @@ class Metrics:
                 ("live_conversations", "conversations held by a kept generator", live_conversations),
                 ("kv_cache_bytes", "bytes of KV cache held", kv_bytes)):
             Gauge(f"{PREFIX}{name}", help_text, registry=registry).set_function(read)
+        for name, help_text, read in (
+                ("num_requests_waiting", "requests waiting for the worker (builder_plugin_queue_depth)", queue_depth),
+                ("num_requests_running", "requests being answered (builder_plugin_active_requests)", active_requests),
+                ("kv_cache_usage_perc", "KV cache held by the kept conversations, as a fraction of its budget "
+                 "(1: full)", kv_usage)):
+            gauge = Gauge(f"{GATEWAY_PREFIX}{name}", help_text, ["model_name"], registry=registry)
+            gauge.labels(model_name=model_name).set_function(read)
 
     def request_done(self, status: int) -> None:
         self._requests.labels(status=str(status)).inc()

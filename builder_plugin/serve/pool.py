@@ -1,22 +1,23 @@
-"""Kept conversations: up to `max_conversations` Chats on the one loaded package, each holding one conversation's
-generator and KV cache, with the KV positions they hold kept under a byte budget.
+"""Kept conversations: up to `max_conversations` Chats on the one opened package, each holding one conversation and
+its kept decoding (KV cache), with the KV positions they hold kept under a byte budget.
 
 A request takes the idle conversation it shares the most turns with (same system prompt and tools): the Chat then
 prefills only what is new, rewinding to the shared turns when the request edits or asks again a later one. Without
-one, it takes an empty conversation, else the least recently used one. Before a new generator is allocated, idle
-conversations are released, least recently used first, until the budget holds it; answers in progress are never cut
-short, so when they alone exceed the budget the newcomer waits for one to end (unless none is running)."""
+one, it takes an empty conversation, else the least recently used one. Before an answer allocates a new KV cache
+(``reserve``), idle conversations are released, least recently used first, until the budget holds it; answers in
+progress are never cut short, so when they alone exceed the budget the newcomer waits for one to end (unless none is
+running)."""
 
 from __future__ import annotations
 
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from builder_plugin.memory import proc_kib_field
-from builder_plugin.runtime import Chat, Turn
+from builder_plugin.runtime import Chat, Package, Turn
 
 log = logging.getLogger("builder_plugin.serve")
 
@@ -36,17 +37,19 @@ class Slot:
 
 
 class ConversationPool:
-    def __init__(self, chat: Chat, max_conversations: int, kv_budget_bytes: int) -> None:
+    """The slots and their state, guarded by one lock (the worker changes them, other threads read the gauges)."""
+
+    def __init__(self, package: Package, max_conversations: int, kv_budget_bytes: int,
+                 new_chat: Callable[[Package], Chat] = Chat) -> None:
         if max_conversations < 1:
             raise ValueError("max_conversations must be at least 1")
         if kv_budget_bytes <= 0:
             raise ValueError("the KV budget must be positive")
+        self.package = package
         self.kv_budget_bytes = kv_budget_bytes
-        self.kv_bytes_per_token = chat.kv_bytes_per_token
-        self.slots = [Slot(chat)] + [Slot(chat.sibling()) for _ in range(max_conversations - 1)]
-        for slot in self.slots:
-            slot.chat.before_new_generator = self._reserver(slot)
-        self._lock = threading.Lock()  # the gauges are read from other threads
+        self.kv_bytes_per_token = package.kv_bytes_per_token
+        self.slots = [Slot(new_chat(package)) for _ in range(max_conversations)]
+        self._lock = threading.Lock()
 
     @property
     def max_conversations(self) -> int:
@@ -54,16 +57,19 @@ class ConversationPool:
 
     @property
     def live_conversations(self) -> int:
-        return sum(slot.holds_generator for slot in self.slots)
+        with self._lock:
+            return sum(slot.holds_generator for slot in self.slots)
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes of KV cache the kept generators hold."""
-        return sum(slot.chat.kv_tokens for slot in self.slots) * self.kv_bytes_per_token
+        """Bytes of KV cache the kept decodings hold."""
+        with self._lock:
+            return self._held(self.slots)
 
     @property
     def busy_kv_bytes(self) -> int:
-        return sum(slot.chat.kv_tokens for slot in self.slots if slot.busy) * self.kv_bytes_per_token
+        with self._lock:
+            return self._held(s for s in self.slots if s.busy)
 
     def acquire(self, system: str | None, tools: str | None, history: Sequence[Turn], question: Turn) -> Slot | None:
         """The idle slot to answer this conversation in, marked busy; None when every slot is answering."""
@@ -83,28 +89,32 @@ class ConversationPool:
             slot.busy = False
             slot.used = time.monotonic()
 
-    def close(self) -> None:
-        """Free every kept generator."""
-        for slot in self.slots:
-            slot.chat.clear()
-
-    def _reserver(self, slot: Slot):
-        def reserve(tokens: int) -> None:
-            """Release idle conversations, least recently used first, until `tokens` more positions fit."""
-            need = tokens * self.kv_bytes_per_token
-            while True:
-                with self._lock:
-                    held = sum(s.chat.kv_tokens for s in self.slots if s is not slot) * self.kv_bytes_per_token
-                    victims = [s for s in self.slots if s is not slot and not s.busy and s.holds_generator]
-                    if held + need <= self.kv_budget_bytes or not victims:
-                        break
-                    victim = min(victims, key=lambda s: s.used)
+    def reserve(self, slot: Slot, tokens: int) -> None:
+        """Before `slot`'s answer allocates a KV cache of `tokens` positions (0: it extends its kept one): release
+        idle conversations, least recently used first, until it fits the budget (or none is left to release)."""
+        if tokens == 0:
+            return
+        need = tokens * self.kv_bytes_per_token
+        while True:
+            with self._lock:
+                held = self._held(s for s in self.slots if s is not slot)
+                victims = [s for s in self.slots if s is not slot and not s.busy and s.holds_generator]
+                if held + need <= self.kv_budget_bytes or not victims:
+                    break
+                victim = min(victims, key=lambda s: s.used)
                 victim.chat.release()
-            if held + need > self.kv_budget_bytes:
-                log.info("answers in progress hold %.2f GB of KV cache, over the budget of %.2f GB (--kv-budget-gb)",
-                         (held + need) / GB, self.kv_budget_bytes / GB)
+        if held + need > self.kv_budget_bytes:
+            log.info("answers in progress hold %.2f GB of KV cache, over the budget of %.2f GB (--kv-budget-gb)",
+                     (held + need) / GB, self.kv_budget_bytes / GB)
 
-        return reserve
+    def close(self) -> None:
+        """Free every kept decoding."""
+        with self._lock:
+            for slot in self.slots:
+                slot.chat.clear()
+
+    def _held(self, slots) -> int:
+        return sum(slot.chat.kv_tokens for slot in slots) * self.kv_bytes_per_token
 
 
 def _shared_turns(slot: Slot, system: str | None, tools: str | None, history: Sequence[Turn], question: Turn) -> int:
@@ -123,10 +133,10 @@ def _shared_turns(slot: Slot, system: str | None, tools: str | None, history: Se
     return shared + again
 
 
-def default_kv_budget(chat: Chat, max_conversations: int, available_bytes: int | None) -> int:
-    """Half the memory available once the model is loaded, and no more than `max_conversations` generators of the
+def default_kv_budget(package: Package, max_conversations: int, available_bytes: int | None) -> int:
+    """Half the memory available once the model is loaded, and no more than `max_conversations` decodings of the
     maximum length."""
-    most = chat.max_length * chat.kv_bytes_per_token * max_conversations
+    most = package.max_length * package.kv_bytes_per_token * max_conversations
     return most if available_bytes is None else min(most, int(available_bytes * BUDGET_SHARE_OF_AVAILABLE))
 
 

@@ -1,19 +1,30 @@
-"""The chat-completions protocol: the request model, messages parsed into a conversation of runtime Turns, and the
-response and stream-chunk bodies."""
+"""The chat-completions protocol: a request parsed once into a frozen ChatRequest, its messages into an Exchange of
+runtime Turns (their media decoded), and the response and stream-chunk bodies."""
 
 from __future__ import annotations
 
 import json
-import re
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from builder_plugin import runtime
-from builder_plugin.runtime import MAX_TOP_LOGPROBS, TOOL, Guidance, Sampling, TokenLogprob, Turn, tool_results
+from builder_plugin.media import Media
+from builder_plugin.runtime import (
+    MAX_TOP_LOGPROBS,
+    TOOL,
+    Guidance,
+    Sampling,
+    TagMismatchError,
+    TokenLogprob,
+    Turn,
+    tool_results,
+)
+from builder_plugin.runtime.prompt import tagged
 from builder_plugin.serve.errors import ApiError
 from builder_plugin.serve.fields import check_fields
 from builder_plugin.serve.media import MediaReader
@@ -32,8 +43,8 @@ class StreamOptions(BaseModel):
 
 
 class ChatCompletionRequest(BaseModel):
-    """The fields this server reads (fields.check_fields has refused the ones it cannot honour; the informational
-    ones are left out here)."""
+    """The fields this server reads, as sent (fields.check_fields has refused the ones it cannot honour; the
+    informational ones are left out here)."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -56,39 +67,30 @@ class ChatCompletionRequest(BaseModel):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
 
-    @property
-    def max_new_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+
+@dataclass(frozen=True)
+class ChatRequest:
+    """One chat-completions request, parsed once: what every later step reads (the messages become a Conversation
+    when their media are decoded, off the event loop)."""
+
+    model: str | None
+    messages: tuple[dict[str, Any], ...]
+    stream: bool
+    include_usage: bool
+    max_new_tokens: int | None
+    sampling: Sampling
+    stops: tuple[str, ...]
+    tools: Tools | None  # None: no tools, or tool_choice "none" (the model does not see them)
+    guidance: Guidance | None  # response_format
+    logprobs: int | None  # alternatives per token when log-probabilities are asked for (None: none)
 
     @property
-    def sampling(self) -> Sampling:
-        return Sampling(self.temperature, self.top_p, self.top_k, self.seed)
-
-    @property
-    def stop_strings(self) -> tuple[str, ...]:
-        if self.stop is None:
-            return ()
-        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
-
-    @property
-    def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
-
-    @property
-    def top(self) -> int | None:
-        """Log-probabilities asked for: the number of alternatives per token (None: no log-probabilities)."""
-        return (self.top_logprobs or 0) if self.logprobs else None
-
-    @property
-    def guidance(self) -> Guidance | None:
-        return response_guidance(self.response_format)
-
-    @property
-    def tool_spec(self) -> Tools | None:
-        return parse_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+    def tools_text(self) -> str | None:
+        """The tools as the chat template puts them in the system message (None: the model sees none)."""
+        return self.tools.text if self.tools is not None else None
 
 
-def parse_request(body: bytes) -> ChatCompletionRequest:
+def parse_request(body: bytes) -> ChatRequest:
     """The request in `body`; raises ApiError (400) naming the first problem."""
     try:
         data = json.loads(body)
@@ -98,36 +100,38 @@ def parse_request(body: bytes) -> ChatCompletionRequest:
         raise ApiError("the request body must be a JSON object", code="invalid_json")
     check_fields(data)
     try:
-        request = ChatCompletionRequest.model_validate(data)
+        fields = ChatCompletionRequest.model_validate(data)
     except ValidationError as exc:
         error = exc.errors()[0]
         param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"]).lstrip(".")
         raise ApiError(f"{param}: {error['msg']}" if param else error["msg"], param=param or None) from None
-    _refuse_unsupported(request)
-    return request
-
-
-def _refuse_unsupported(request: ChatCompletionRequest) -> None:
-    if request.n != 1:
+    if fields.n != 1:
         raise ApiError("n: only one choice per request is supported (n=1)", param="n")
-    if request.top_logprobs is not None and not request.logprobs:
+    if fields.top_logprobs is not None and not fields.logprobs:
         raise ApiError("top_logprobs: needs logprobs: true", param="top_logprobs")
-    tools = request.tool_spec  # raises for bad tools
-    guidance = request.guidance  # raises for a bad response_format
+    tools = parse_tools(fields.tools, fields.tool_choice, fields.parallel_tool_calls)
+    guidance = response_guidance(fields.response_format)
     if tools is not None and tools.constrained and guidance is not None:
         raise ApiError("response_format: cannot be combined with a required tool call (tool_choice)",
                        param="response_format")
-    stops = request.stop_strings
+    stops = () if fields.stop is None else (fields.stop,) if isinstance(fields.stop, str) else tuple(fields.stop)
     if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
         raise ApiError(f"stop: up to {MAX_STOP_STRINGS} non-empty strings", param="stop")
+    return ChatRequest(
+        model=fields.model, messages=tuple(fields.messages), stream=fields.stream,
+        include_usage=fields.stream_options is not None and fields.stream_options.include_usage,
+        max_new_tokens=fields.max_completion_tokens or fields.max_tokens,
+        sampling=Sampling(fields.temperature, fields.top_p, fields.top_k, fields.seed), stops=stops,
+        tools=tools if tools is not None and tools.offered else None, guidance=guidance,
+        logprobs=(fields.top_logprobs or 0) if fields.logprobs else None)
 
 
 # ---- messages -> conversation -------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
-class Conversation:
-    """What one request asks: the system prompt, the answered turns so far and the question to answer."""
+class Exchange:
+    """What one request's messages ask: the system prompt, the answered turns so far and the question to answer."""
 
     system: str | None
     history: tuple[Turn, ...]
@@ -138,15 +142,14 @@ class Conversation:
         return any(turn.audios for turn in (*self.history, self.question))
 
 
-def parse_conversation(messages: list[dict[str, Any]], media: MediaReader) -> Conversation:
+def parse_messages(messages: Sequence[dict[str, Any]], media: MediaReader) -> Exchange:
     """Messages in OpenAI form as a conversation: leading system messages are the system prompt, each user message
     (consecutive ones merged) is a question, each assistant message the answer to the question before it (its
     tool_calls written as the model's call block); the tool messages after an answer with calls are the next
-    question, in the tool role. The last message must be a user or tool message. Media parts become files through
-    `media`."""
+    question, in the tool role. The last message must be a user or tool message. Media parts are decoded by `media`."""
     system: list[str] = []
     turns: list[Turn] = []
-    parts: list[tuple[str, Any]] = []  # the open question: ("text", str) / ("image", Path) / ("audio", Path)
+    parts: list[str | Media] = []  # the open question: its texts and media in order
     results: list[str] = []  # or the open tool results
     question_at = 0
     called = False  # the last answer made tool calls
@@ -191,13 +194,19 @@ def parse_conversation(messages: list[dict[str, Any]], media: MediaReader) -> Co
         raise ApiError("messages: the last message must be a user or tool message (the question to answer)",
                        param="messages")
     question = _question(parts, results, f"messages[{question_at}]", None)
-    return Conversation("\n".join(system) if system else None, tuple(turns), question)
+    return Exchange("\n".join(system) if system else None, tuple(turns), question)
 
 
-def _question(parts: list[tuple[str, Any]], results: list[str], param: str, answer: str | None) -> Turn:
+def _question(parts: list[str | Media], results: list[str], param: str, answer: str | None) -> Turn:
+    """One question: the tool results, or the user's parts, media tagged where they stand (runtime.tagged)."""
     if results:
         return Turn(tool_results(results), assistant=answer, role=TOOL)
-    return _turn(parts, param, answer)
+    images = tuple(p for p in parts if isinstance(p, Media) and p.kind == "image")
+    audios = tuple(p for p in parts if isinstance(p, Media) and p.kind == "audio")
+    try:
+        return Turn(tagged(parts), images, audios, answer)
+    except TagMismatchError as exc:
+        raise ApiError(f"{param}: {exc}", param=param, code="invalid_media_tags") from None
 
 
 def _text_only(content: Any, param: str) -> str:
@@ -213,55 +222,28 @@ def _text_only(content: Any, param: str) -> str:
     raise ApiError(f"{param}.content: must be a string or a list of parts", param=f"{param}.content")
 
 
-def _user_parts(content: Any, param: str, media: MediaReader) -> list[tuple[str, Any]]:
+def _user_parts(content: Any, param: str, media: MediaReader) -> list[str | Media]:
     if isinstance(content, str):
-        return [("text", content)]
+        return [content]
     if not isinstance(content, list) or not content:
         raise ApiError(f"{param}.content: must be a string or a non-empty list of parts", param=f"{param}.content")
-    parts: list[tuple[str, Any]] = []
+    parts: list[str | Media] = []
     for j, part in enumerate(content):
         where = f"{param}.content[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "text" and isinstance(part.get("text"), str):
-            parts.append(("text", part["text"]))
+            parts.append(part["text"])
         elif kind == "image_url" and isinstance(part.get("image_url"), dict):
-            parts.append(("image", media.image(part["image_url"].get("url"), f"{where}.image_url.url")))
+            parts.append(media.image(part["image_url"].get("url"), f"{where}.image_url"))
         elif kind == "input_audio" and isinstance(part.get("input_audio"), dict):
             audio = part["input_audio"]
-            parts.append(("audio", media.audio(audio.get("data"), audio.get("format"), f"{where}.input_audio")))
+            parts.append(media.audio(audio.get("data"), audio.get("format"), f"{where}.input_audio"))
         elif kind in ("text", "image_url", "input_audio"):
             raise ApiError(f"{where}: a {kind} part needs its {kind!r} field", param=where)
         else:
             raise ApiError(f"{where}.type: unsupported part type {kind!r} (use text, image_url or input_audio)",
                            param=f"{where}.type", code="unsupported_content_type")
     return parts
-
-
-def _turn(parts: list[tuple[str, Any]], param: str, answer: str | None) -> Turn:
-    """One question from its parts. Media tags go where the media parts are, unless the text writes its own tags of
-    that kind (then it must write one per file, in order: runtime.check_tags)."""
-    texts = "".join(value for kind, value in parts if kind == "text")
-    written = {kind for kind in ("image", "audio") if re.search(rf"<\|{kind}_\d+\|>", texts)}
-    pieces: list[str] = []
-    counts = {"image": 0, "audio": 0}
-    previous = None
-    for kind, value in parts:
-        if kind == "text":
-            if previous == "text":
-                pieces.append("\n")
-            pieces.append(value)
-        elif kind not in written:
-            counts[kind] += 1
-            pieces.append(f"<|{kind}_{counts[kind]}|>")
-        previous = kind
-    images = tuple(value for kind, value in parts if kind == "image")
-    audios = tuple(value for kind, value in parts if kind == "audio")
-    text = "".join(pieces)
-    try:
-        runtime.check_tags(text, len(images), len(audios))
-    except runtime.TagMismatchError as exc:
-        raise ApiError(f"{param}: {exc}", param=param, code="invalid_media_tags") from None
-    return Turn(text, images, audios, answer)
 
 
 # ---- responses ----------------------------------------------------------------------------------------------------

@@ -36,10 +36,14 @@ def interrupting_signals() -> Iterator[None]:
 class StoppableServer(uvicorn.Server):
     """uvicorn's server, shut down gracefully by every stop signal. uvicorn itself handles SIGINT and SIGTERM only
     and raises the signal again once it has stopped, which ends the process (status 143 for SIGTERM) before the
-    caller's cleanup runs; here `run` returns and `stopped_by` names the signal."""
+    caller's cleanup runs; here `run` returns and `stopped_by` names the signal.
+
+    The first stop signal runs `drain` on a thread of its own while the server keeps listening, so that the requests
+    that come meanwhile (and readiness probes) get a 503 rather than a refused connection; the server closes when it
+    returns. A second stop signal closes it at once."""
 
     stopped_by: signal.Signals | None = None
-    on_stop: Callable[[], None] | None = None  # called once, at the first stop signal (the worker's drain)
+    drain: Callable[[], None] | None = None  # returns once the answers in progress have ended
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
@@ -54,7 +58,16 @@ class StoppableServer(uvicorn.Server):
                 signal.signal(s, handler)
 
     def _stop(self, signum: int, frame: FrameType | None) -> None:
-        if self.stopped_by is None and self.on_stop is not None:
-            self.on_stop()
-        self.stopped_by = self.stopped_by or signal.Signals(signum)
-        self.handle_exit(signum, frame)  # a second Ctrl-C forces the exit, as in uvicorn
+        if self.stopped_by is not None or self.drain is None:
+            self.stopped_by = self.stopped_by or signal.Signals(signum)
+            self.handle_exit(signum, frame)  # a second Ctrl-C forces the exit, as in uvicorn
+            return
+        self.stopped_by = signal.Signals(signum)
+        threading.Thread(target=self._drain_then_exit, args=(signum,), name="drain", daemon=True).start()
+
+    def _drain_then_exit(self, signum: int) -> None:
+        try:
+            if self.drain is not None:
+                self.drain()
+        finally:
+            self.handle_exit(signum, None)

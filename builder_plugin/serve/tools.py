@@ -17,6 +17,7 @@ import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from builder_plugin.runtime import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
@@ -52,7 +53,8 @@ class Tools:
     def constrained(self) -> bool:
         return self.choice in ("required", "function")
 
-    def template_text(self) -> str:
+    @cached_property
+    def text(self) -> str:
         """The tools as the chat template puts them in the system message."""
         listed = []
         for f in self.functions:

@@ -13,19 +13,20 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from builder_plugin import runtime
-from builder_plugin.runtime import Guidance, Sampling, TokenLogprob
+from builder_plugin.runtime import Answering, TokenLogprob
 from builder_plugin.serve.errors import ApiError, queue_full, server_error, shutting_down
 from builder_plugin.serve.pool import ConversationPool, Slot
-from builder_plugin.serve.protocol import Conversation
+from builder_plugin.serve.protocol import ChatRequest, Exchange
 from builder_plugin.serve.stop import StopScanner
-from builder_plugin.serve.tools import CallScanner, Tools
+from builder_plugin.serve.tools import CallScanner
 
 log = logging.getLogger("builder_plugin.serve")
+
+DRAIN_MARGIN_S = 5.0  # past the drain deadline: the last token step of each answer, and its final events
 
 
 @dataclass(frozen=True)
@@ -61,15 +62,10 @@ Event = Started | Piece | ToolCalls | Finished | Failed
 
 @dataclass
 class Job:
-    conversation: Conversation
+    request: ChatRequest
+    exchange: Exchange  # the request's messages, their media decoded
     emit: Callable[[Event], None]
     max_new_tokens: int | None = None  # None: up to the maximum length
-    sampling: Sampling = field(default_factory=Sampling)
-    stops: tuple[str, ...] = ()
-    labels: dict[Path, str] = field(default_factory=dict)  # media file -> its place in the request
-    guidance: Guidance | None = None  # response_format
-    tools: Tools | None = None
-    logprobs: int | None = None  # alternatives per token when log-probabilities are asked for
     cancelled: threading.Event = field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -78,16 +74,14 @@ class Job:
 
 
 @dataclass
-class _Answering:
+class _Running:
     """An answer in progress: its job, the conversation it runs in, and what its stream has seen so far."""
 
     job: Job
     slot: Slot
-    pieces: Iterator[str]
-    tools: Tools | None
+    answer: Answering
     stops: StopScanner
     calls: CallScanner | None
-    sent: int = 0  # log-probabilities sent so far
 
 
 class Worker:
@@ -97,25 +91,33 @@ class Worker:
         self.pool = pool
         self.max_queue = max_queue
         self._waiting: deque[Job] = deque()
-        self._answering: list[_Answering] = []
-        self._beginning = 0  # requests whose prompt is being prepared (not yet in _answering)
-        self._lock = threading.Condition()
+        self._running: list[_Running] = []
+        self._beginning = 0  # requests whose prompt is being prepared (not yet running)
+        self._lock = threading.Condition()  # guards the three above and the stop state
         self._stopping = False
         self._drain_deadline: float | None = None  # answers in progress after it end with finish_reason "length"
         self._thread = threading.Thread(target=self._run, name="chat-worker", daemon=True)
 
     @property
     def waiting(self) -> int:
-        return len(self._waiting)
+        with self._lock:
+            return len(self._waiting)
 
     @property
     def answering(self) -> int:
         """Requests being answered (their prompt prepared, prefilled or generated)."""
-        return len(self._answering) + self._beginning
+        with self._lock:
+            return len(self._running) + self._beginning
 
     @property
     def busy(self) -> bool:
         return self.answering > 0
+
+    @property
+    def stopping(self) -> bool:
+        """Draining or stopped: new requests get 503."""
+        with self._lock:
+            return self._stopping
 
     def start(self) -> None:
         self._thread.start()
@@ -130,9 +132,10 @@ class Worker:
             self._waiting.append(job)
             self._lock.notify()
 
-    def drain(self, grace_s: float) -> None:
+    def drain(self, grace_s: float, wait: bool = False) -> None:
         """Take no more requests, fail the waiting ones (503), and let the answers in progress go on for up to
-        `grace_s` seconds; those still running then end as if cut by their token limit (finish_reason "length")."""
+        `grace_s` seconds; those still running then end as if cut by their token limit (finish_reason "length").
+        With `wait`, return once they have ended."""
         with self._lock:
             self._stopping = True
             deadline = time.monotonic() + grace_s
@@ -141,6 +144,8 @@ class Worker:
             self._lock.notify()
         for job in waiting:
             job.emit(Failed(shutting_down()))
+        if wait and self._thread.is_alive():
+            self._thread.join(timeout=grace_s + DRAIN_MARGIN_S)
 
     def stop(self) -> None:
         """End every answer now (see drain) and the thread, and free the kept conversations."""
@@ -154,20 +159,22 @@ class Worker:
     def _run(self) -> None:
         while True:
             with self._lock:
-                while not self._answering and not self._waiting and not self._stopping:
+                while not self._running and not self._waiting and not self._stopping:
                     self._lock.wait()
-                if self._stopping and not self._answering and not self._waiting:
+                if self._stopping and not self._running and not self._waiting:
                     return
             self._admit()
-            for answering in list(self._answering):
+            with self._lock:
+                running = list(self._running)
+            for run in running:
                 try:
-                    done = self._turn(answering)
+                    done = self._turn(run)
                 except Exception as exc:  # a bug here must not stop the worker: the other requests are served
                     log.exception("request failed")
-                    answering.job.emit(Failed(server_error(f"internal error: {type(exc).__name__}: {exc}")))
+                    run.job.emit(Failed(server_error(f"internal error: {type(exc).__name__}: {exc}")))
                     done = True
                 if done:
-                    self._end(answering)
+                    self._end(run)
 
     def _admit(self) -> None:
         """Start the waiting requests that have a conversation to run in (and room in the KV budget)."""
@@ -177,89 +184,82 @@ class Worker:
                     self._waiting.popleft()
                 if not self._waiting:
                     return
-                if self._answering and self.pool.busy_kv_bytes >= self.pool.kv_budget_bytes:
+                if self._running and self.pool.busy_kv_bytes >= self.pool.kv_budget_bytes:
                     return  # the answers in progress fill the budget: the next one waits for one to end
                 job = self._waiting[0]
-                conversation = job.conversation
-                slot = self.pool.acquire(conversation.system, _tools_text(job), conversation.history,
-                                         conversation.question)
+                exchange = job.exchange
+                slot = self.pool.acquire(exchange.system, job.request.tools_text, exchange.history,
+                                         exchange.question)
                 if slot is None:
                     return
                 self._waiting.popleft()
                 self._beginning += 1
+            run = None
             try:
-                answering = self._begin(job, slot)
-                if answering is not None:  # first in the round: its prefill does not wait for the others' turns
-                    self._answering.insert(0, answering)
+                run = self._begin(job, slot)
             except Exception as exc:
                 log.exception("request failed")
                 job.emit(Failed(server_error(f"internal error: {type(exc).__name__}: {exc}")))
-                answering = None
-            finally:
+            with self._lock:
                 self._beginning -= 1
-            if answering is None:
+                if run is not None:  # first in the round: its prefill does not wait for the others' turns
+                    self._running.insert(0, run)
+            if run is None:
                 self.pool.release(slot)
 
-    def _begin(self, job: Job, slot: Slot) -> _Answering | None:
-        """Set the slot's Chat to the request's conversation and ask its question (the prompt is prepared here,
-        prefilled on the answer's first turn); None when the request failed (reported to it)."""
-        chat = slot.chat
-        conversation = job.conversation
-        question = conversation.question
-        tools = job.tools if job.tools is not None and job.tools.offered else None
-        guidance, guided_by = job.guidance, "response_format"
+    def _begin(self, job: Job, slot: Slot) -> _Running | None:
+        """The slot's Chat set to the request's conversation, its answer prepared (and the KV budget reserved for it):
+        prefilled on its first turn. None when the request failed (reported to it)."""
+        chat, request, exchange = slot.chat, job.request, job.exchange
+        guidance, guided_by = request.guidance, "response_format"
         try:
-            tools_text = _tools_text(job)
-            if chat.system != conversation.system or chat.tools != tools_text:
-                chat.system, chat.tools = conversation.system, tools_text
-                chat.clear()
-            if tools is not None and tools.constrained:
+            chat.resume(exchange.system, request.tools_text, exchange.history)
+            if request.tools is not None and request.tools.constrained:
+                tools = request.tools
                 guidance, guided_by = chat.tool_guidance(tools.grammar_functions(), tools.single_call), "tools"
-            chat.restore(conversation.history)
-            pieces = chat.ask(question.user, question.images, question.audios,
-                              max_new_tokens=job.max_new_tokens or chat.max_length, sampling=job.sampling,
-                              guidance=guidance, logprobs=job.logprobs, role=question.role)
+            answer = chat.prepare(exchange.question, max_new_tokens=job.max_new_tokens or chat.max_length,
+                                  sampling=request.sampling, guidance=guidance, logprobs=request.logprobs)
         except runtime.ChatError as exc:
-            job.emit(Failed(chat_error(exc, job.labels, guided_by)))
+            job.emit(Failed(chat_error(exc, guided_by)))
             return None
+        self.pool.reserve(slot, answer.kv_tokens)
         job.emit(Started())
-        return _Answering(job, slot, pieces, tools, StopScanner(job.stops),
-                          CallScanner() if tools is not None else None)
+        return _Running(job, slot, answer, StopScanner(request.stops),
+                        CallScanner() if request.tools is not None else None)
 
-    def _turn(self, answering: _Answering) -> bool:
+    def _turn(self, run: _Running) -> bool:
         """Run the answer for one token (its first turn: the prefill and the first token); True when it ended."""
-        job, chat = answering.job, answering.slot.chat
+        job = run.job
         if job.cancelled.is_set():
             return True
         deadline = self._drain_deadline
         if deadline is not None and time.monotonic() >= deadline:
-            self._finish(answering, stopped=False, reason="length")
+            self._finish(run, stopped=False, reason="length")
             return True
         try:
-            piece = next(answering.pieces)
+            step = next(run.answer)
         except StopIteration:
-            self._finish(answering, stopped=False)
+            self._finish(run, stopped=False)
             return True
         except runtime.ChatError as exc:
-            job.emit(Failed(chat_error(exc, job.labels)))
+            job.emit(Failed(chat_error(exc)))
             return True
-        text, stopped = answering.stops.feed(piece)
-        if answering.calls is not None:
-            text = answering.calls.feed(text)
-        logprobs = tuple(chat.last_logprobs[answering.sent:]) if job.logprobs is not None else ()
-        answering.sent += len(logprobs)
+        text, stopped = run.stops.feed(step.text)
+        if run.calls is not None:
+            text = run.calls.feed(text)
+        logprobs = (step.logprob,) if step.logprob is not None else ()
         if text or logprobs:
             job.emit(Piece(text, logprobs))
         if stopped:
-            self._finish(answering, stopped=True)
+            self._finish(run, stopped=True)
             return True
         return False
 
-    def _finish(self, answering: _Answering, stopped: bool, reason: str | None = None) -> None:
+    def _finish(self, run: _Running, stopped: bool, reason: str | None = None) -> None:
         """The end of an answer: what the scanners held back, the tool calls found, and the Finished event."""
-        job, chat, tools, calls = answering.job, answering.slot.chat, answering.tools, answering.calls
-        answering.pieces.close()  # stops generation; the answer so far is recorded in chat.turns
-        tail = "" if stopped else answering.stops.flush()
+        job, tools, calls = run.job, run.job.request.tools, run.calls
+        run.answer.close()  # stops generation; the answer so far is recorded in the conversation
+        tail = "" if stopped else run.stops.flush()
         found: list[dict] = []
         if calls is not None and tools is not None:
             tail = calls.feed(tail)
@@ -269,32 +269,22 @@ class Worker:
             job.emit(Piece(tail))
         if found:
             job.emit(ToolCalls(found))
-        stats = chat.last_stats
+        stats = run.answer.stats
         reason = reason or ("tool_calls" if found else "stop" if stopped else stats.finish_reason)
         job.emit(Finished(reason, stats.prompt_tokens, stats.new_tokens))
 
-    def _end(self, answering: _Answering) -> None:
-        answering.pieces.close()
-        self._answering.remove(answering)
-        self.pool.release(answering.slot)
-        if answering.job.cancelled.is_set() and self._stopping:
-            answering.job.emit(Failed(shutting_down()))
+    def _end(self, run: _Running) -> None:
+        run.answer.close()
+        with self._lock:
+            self._running.remove(run)
+        self.pool.release(run.slot)
+        if run.job.cancelled.is_set() and self.stopping:
+            run.job.emit(Failed(shutting_down()))
 
 
-def _tools_text(job: Job) -> str | None:
-    tools = job.tools
-    return tools.template_text() if tools is not None and tools.offered else None
-
-
-def chat_error(exc: runtime.ChatError, labels: dict[Path, str], guided_by: str = "response_format") -> ApiError:
-    """The API error for a runtime error; cache paths in its message are replaced by their place in the request
-    (`guided_by`: the field whose grammar a GuidanceError is about)."""
+def chat_error(exc: runtime.ChatError, guided_by: str = "response_format") -> ApiError:
+    """The API error for a runtime error (`guided_by`: the field whose grammar a GuidanceError is about)."""
     message = str(exc)
-    param = None
-    for path, label in labels.items():
-        if str(path) in message:
-            message = message.replace(str(path), label)
-            param = param or label
     if isinstance(exc, runtime.GuidanceError):
         return ApiError(f"{guided_by}: {message}", param=guided_by, code="invalid_schema")
     if isinstance(exc, runtime.ToolsNotSupportedError):
@@ -305,7 +295,7 @@ def chat_error(exc: runtime.ChatError, labels: dict[Path, str], guided_by: str =
     if isinstance(exc, runtime.TagMismatchError):
         return ApiError(message, param="messages", code="invalid_media_tags")
     if isinstance(exc, runtime.UnsupportedMediaError | runtime.MediaNotFoundError):
-        return ApiError(message, param=param, code="invalid_media")
+        return ApiError(message, param=getattr(exc, "source", None) or "messages", code="invalid_media")
     if isinstance(exc, runtime.PackageError):
         return server_error(message)
     return ApiError(message)

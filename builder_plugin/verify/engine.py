@@ -12,7 +12,7 @@ import numpy as np
 import onnxruntime_genai as og
 
 from builder_plugin.layout import INPUT_IDS, LOGITS
-from builder_plugin.runtime import Chat
+from builder_plugin.runtime import Chat, og_audios, og_images
 from builder_plugin.runtime.errors import first_line
 from builder_plugin.verify.prompts import Case
 
@@ -58,13 +58,9 @@ def run_package(package: str, cases: Sequence[Case], max_new_tokens: int,
 def _generate(model, processor, eos: set[int], case: Case, variant: str, max_new_tokens: int,
               on_step: Callable[[], None]) -> PackageRun:
     try:
-        inputs = processor(
-            case.prompt,
-            images=og.Images.open(*map(str, case.images)) if case.images else None,
-            audios=og.Audios.open(*map(str, case.audios)) if case.audios else None,
-        )
+        inputs = processor(case.prompt, images=og_images(case.images), audios=og_audios(case.audios))
     except RuntimeError as exc:
-        files = ", ".join(map(str, (*case.images, *case.audios)))
+        files = ", ".join(media.source for media in (*case.images, *case.audios))
         raise EngineError(f"{case.name} ({files or 'no media'}): the package's processor rejected the inputs: "
                           f"{first_line(exc)}") from exc
     arrays = {name: np.array(inputs[name].as_numpy()) for name in inputs.keys()}

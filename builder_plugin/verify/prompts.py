@@ -7,10 +7,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from PIL import Image, UnidentifiedImageError
-
+from builder_plugin.media import Media
+from builder_plugin.runtime.media import open_audio, open_image
 from builder_plugin.testing.media import make_image, make_wav
-from builder_plugin.verify.modes import MODES  # noqa: F401  - re-exported: a Case is in one of MODES
 
 BUILTIN_PROMPTS: dict[str, str] = {
     "text": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -24,21 +23,13 @@ BUILTIN_PROMPTS: dict[str, str] = {
 BUILTIN_IMAGE = ("builtin-image-448x448.png", 448, 448)
 BUILTIN_AUDIO = ("builtin-tones-2s-16k.wav", 2.0, 16000)
 
-_IMAGE_FORMATS = {"PNG", "JPEG"}  # what onnxruntime-extensions decodes; other content ends the process inside it
-_AUDIO_SUFFIXES = (".wav", ".mp3", ".flac")
-
-
-class MediaError(ValueError):
-    """A user's image or audio file cannot be used."""
-
-
 @dataclass(frozen=True)
 class Case:
     name: str
-    mode: str  # one of MODES
+    mode: str  # one of verify.modes.VERIFY_MODES
     question: str
-    images: tuple[Path, ...] = ()
-    audios: tuple[Path, ...] = ()
+    images: tuple[Media, ...] = ()  # decoded safely (runtime.open_image): the package is given canonical bytes
+    audios: tuple[Media, ...] = ()
 
     @property
     def prompt(self) -> str:
@@ -48,42 +39,20 @@ class Case:
         return f"<|user|>{tags}{self.question}<|end|><|assistant|>"
 
 
-def check_image(path: Path) -> Path:
-    if not path.is_file():
-        raise MediaError(f"image not found: {path}")
-    try:
-        with Image.open(path) as image:
-            kind = image.format
-            image.verify()
-    except (OSError, UnidentifiedImageError) as exc:
-        raise MediaError(f"cannot read image {path}: {exc}") from None
-    if kind not in _IMAGE_FORMATS:
-        raise MediaError(f"cannot read image {path}: {kind} is not supported by the runtime (use PNG or JPEG)")
-    return path
-
-
-def check_audio(path: Path) -> Path:
-    if not path.is_file():
-        raise MediaError(f"audio file not found: {path}")
-    if path.suffix.lower() not in _AUDIO_SUFFIXES:
-        raise MediaError(f"cannot read audio {path}: the runtime reads {', '.join(_AUDIO_SUFFIXES)} files")
-    return path
-
-
-def builtin_media(folder: Path) -> tuple[Path, Path]:
-    """(image, audio clip) written into `folder`."""
+def builtin_media(folder: Path) -> tuple[Media, Media]:
+    """(image, audio clip) written into `folder`, decoded."""
     name, width, height = BUILTIN_IMAGE
     image = make_image(folder / name, width, height, seed=2)
     name, seconds, rate = BUILTIN_AUDIO
-    return image, make_wav(folder / name, seconds, sample_rate=rate, seed=3)
+    return open_image(image), open_audio(make_wav(folder / name, seconds, sample_rate=rate, seed=3))
 
 
 def build_cases(modes: Sequence[str], media_folder: Path, prompts: Sequence[str] = (),
                 images: Sequence[Path] = (), audios: Sequence[Path] = ()) -> list[Case]:
     """The built-in prompt of each mode, then each of the user's `prompts`, in every mode. The user's images and
     clips, if any, replace the built-in ones (all of them go into every case of a mode that takes them)."""
-    images = tuple(check_image(Path(p)) for p in images)
-    audios = tuple(check_audio(Path(p)) for p in audios)
+    images = tuple(open_image(p) for p in images)
+    audios = tuple(open_audio(p) for p in audios)
     if not images or not audios:
         builtin_image, builtin_audio = builtin_media(media_folder)
         images = images or (builtin_image,)

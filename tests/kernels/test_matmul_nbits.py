@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 
 from builder_plugin import kernels
-from builder_plugin.quant.choices import BLOCK_SIZES
+from builder_plugin.quant_choices import BLOCK_SIZES
 from tests.kernels.matmul_nbits_graphs import (
     int8_reference,
     quantization_bound,

@@ -8,12 +8,15 @@ recomputes every position once at the switch.
 
 from __future__ import annotations
 
+import weakref
+
 import numpy as np
+import onnxruntime_genai as og
 import pytest
 
 from builder_plugin.layout import IMAGE_TOKEN_ID, INPUT_IDS
 from builder_plugin.reference.model import GreedyResult, Reference
-from builder_plugin.runtime import Chat, Sampling, Turn, build_prompt
+from builder_plugin.runtime import Chat, Sampling, Turn, build_prompt, open_audio, open_image
 
 NEAR_TIE = 1e-3  # top-1 minus top-2 reference logit below which fp32 rounding may flip the argmax
 LOGITS_ATOL = 1e-3
@@ -24,7 +27,7 @@ def _first_turn_inputs(package, media_dir, question: str, mode: str) -> tuple[di
     """The processor tensors of the conversation's first prompt, made by a separate Chat."""
     images = [media_dir / name for name in MEDIA[mode][0]]
     audios = [media_dir / name for name in MEDIA[mode][1]]
-    prompt = build_prompt([Turn(question, tuple(images), tuple(audios))])
+    prompt = build_prompt([Turn(question, tuple(map(open_image, images)), tuple(map(open_audio, audios)))])
     return Chat(package).generate(prompt, images, audios, max_new_tokens=1).inputs, images, audios
 
 
@@ -125,18 +128,21 @@ def test_the_recompute_frees_the_old_cache_first(tiny_package, tiny_config, monk
     question = "Count."
     prompt_tokens = _text_ids_length(tiny_package, question)
     chat = Chat(tiny_package)
-    start = chat._start
-    alive_at_start = []
+    generators = []  # og generators created, each with whether one made before it is still alive then
+    real = og.Generator
 
-    def checked_start(request, inputs):
-        if chat._live is not None:
-            alive_at_start.append(chat._live.generator is not None)
-        return start(request, inputs)
+    def tracked(model, params):
+        alive = [ref() is not None for ref in generators]
+        generator = real(model, params)
+        generators.append(weakref.ref(generator))
+        alive_at_start.append(any(alive))
+        return generator
 
-    monkeypatch.setattr(chat, "_start", checked_start)
+    alive_at_start: list[bool] = []
+    monkeypatch.setattr(og, "Generator", tracked)
     list(chat.ask(question, max_new_tokens=switch - prompt_tokens + 4))
     assert chat.last_stats.recomputed
-    assert alive_at_start == [False]  # the recompute's start: the first start had no live conversation yet
+    assert alive_at_start == [False, False]  # the first start, and the recompute's: no other cache alive
 
 
 def test_a_conversation_prompted_again_has_the_same_ids(tiny_package, media_dir, reference):

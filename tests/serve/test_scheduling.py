@@ -13,20 +13,10 @@ import time
 import httpx
 import pytest
 
-from builder_plugin.runtime import Chat
-from tests.test_serve import IMAGE, ask_chat, ask_server, running_server, user
+from builder_plugin.runtime import FOLLOW_UP_ROOM
+from tests.support.serving import IMAGE, ask_chat, ask_server, running_server, user
 
 LONG = 400  # tokens of the long answer: ~2 s on the tiny package, against a few ms for a short one
-
-
-@pytest.fixture(scope="module")
-def served(tiny_package) -> Chat:
-    return Chat(tiny_package)
-
-
-@pytest.fixture(scope="module")
-def chat(tiny_package) -> Chat:
-    return Chat(tiny_package)
 
 
 def _slot_of(routes, messages: list[dict]):
@@ -92,7 +82,7 @@ def test_conversations_taking_turns_keep_their_caches(served, chat, media_dir, t
 
 
 def test_the_least_recently_used_conversation_is_released_under_the_budget(served, chat, tmp_path):
-    per_generator = served.kv_bytes_per_token * (served.follow_up_room + 64)  # a short conversation's generator
+    per_generator = served.package.kv_bytes_per_token * (FOLLOW_UP_ROOM + 64)  # a short conversation's generator
     budget = int(2.5 * per_generator)
     scripts = {name: [(f"Hello from {name}.", (), ()), ("And then?", (), ())] for name in "abc"}
     expected = {name: ask_chat(chat, questions) for name, questions in scripts.items()}
@@ -168,6 +158,6 @@ def test_pool_gauges_answer_the_health_route(served, tmp_path):
         health = httpx.get(f"{running.url}/health").json()
         held = sum(slot.chat.kv_tokens for slot in running.routes.pool.slots)
     assert health["conversations"] == 1 and health["max_conversations"] == 2 and health["answering"] == 0
-    assert health["kv_bytes"] == held * served.kv_bytes_per_token > 0
+    assert health["kv_bytes"] == held * served.package.kv_bytes_per_token > 0
     assert all(slot.chat.kv_tokens == 0 for slot in running.routes.pool.slots)  # freed when the server stopped
 

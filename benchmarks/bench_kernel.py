@@ -35,13 +35,10 @@ import numpy as np
 from benchmarks.bench_matmulnbits import layer_shapes, load, measure, write_graph
 from benchmarks.common import (
     ROOT,
-    command_line,
     fmt,
-    git_state,
-    machine_info,
     machine_markdown,
     markdown_table,
-    publish,
+    measure_or_replay,
     read_probe_gb_s,
 )
 from builder_plugin import kernels
@@ -197,18 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         library = kernels.library_path() if job["kernel"] == "library" else None
         print(json.dumps(measure(Path(job["path"]), job["threads"], job["steps"], job["rows"], library)))
         return 0
-    if args.from_json:
-        results = json.loads(args.from_json.read_text(encoding="utf-8"))
-        if args.note is not None:
-            results["note"] = args.note
-        publish(results, args.out, args.doc, HEADING, report(results))
-        return 0
-    results = run(args)
-    results.update(command=command_line("bench_kernel.py", argv), git=git_state(), machine=machine_info(),
-                   note=args.note or "")
-    publish(results, args.out, args.doc, HEADING, report(results))
-    return 0
-
+    return measure_or_replay(args, argv, "bench_kernel.py", HEADING, run, report)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -34,13 +34,10 @@ import numpy as np
 
 from benchmarks.common import (
     ROOT,
-    command_line,
     fmt,
-    git_state,
-    machine_info,
     machine_markdown,
     markdown_table,
-    publish,
+    measure_or_replay,
     read_probe_gb_s,
     rss_split,
 )
@@ -233,18 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         job = json.loads(args.worker)
         print(json.dumps(measure(Path(job["path"]), job["threads"], job["steps"])))
         return 0
-    if args.from_json:
-        results = json.loads(args.from_json.read_text(encoding="utf-8"))
-        if args.note is not None:
-            results["note"] = args.note
-        publish(results, args.out, args.doc, HEADING, report(results))
-        return 0
-    results = run(args)
-    results.update(command=command_line("bench_matmulnbits.py", argv), git=git_state(), machine=machine_info(),
-                   note=args.note or "")
-    publish(results, args.out, args.doc, HEADING, report(results))
-    return 0
-
+    return measure_or_replay(args, argv, "bench_matmulnbits.py", HEADING, run, report)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -363,3 +363,20 @@ def publish(results: dict[str, Any], out: str | Path, doc: str, heading: str, bo
     print(body)
     if doc:
         replace_markdown_section(doc, heading, body)
+
+
+def measure_or_replay(args: Any, argv: Sequence[str] | None, script: str, heading: str,
+                      run: Callable[[Any], dict[str, Any]], report: Callable[[dict[str, Any]], str]) -> int:
+    """The end of a benchmark's main with --out, --doc, --note and --from-json: publish an earlier results file (its
+    note replaced when --note is given), or `run(args)` and publish what it measured with the command, the checkout
+    and the machine."""
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text(encoding="utf-8"))
+        if args.note is not None:
+            results["note"] = args.note
+    else:
+        results = run(args)
+        results.update(command=command_line(script, argv), git=git_state(), machine=machine_info(),
+                       note=args.note or "")
+    publish(results, args.out, args.doc, heading, report(results))
+    return 0

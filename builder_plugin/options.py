@@ -9,7 +9,13 @@ from typing import Any, Literal
 
 from builder_plugin.extra_options import check_extra_options
 from builder_plugin.layout import Component
-from builder_plugin.precisions import QUANTIZED_PRECISIONS, ExecutionProvider, Precision, io_dtype
+from builder_plugin.precisions import (
+    QUANTIZED_PRECISIONS,
+    ExecutionProvider,
+    Precision,
+    default_accuracy_level,
+    io_dtype,
+)
 from builder_plugin.quant_choices import DEFAULT_ALGO_CONFIG
 
 LoraChoice = Literal["routed", "split", "vision", "speech", "none", "vision+speech"]
@@ -104,7 +110,7 @@ class BuildOptions:
     @property
     def accuracy_level(self) -> int:
         chosen = self.extra["accuracy_level"]
-        return chosen if chosen is not None else (4 if self.execution_provider in ("cpu", "webgpu") else 0)
+        return chosen if chosen is not None else default_accuracy_level(self.execution_provider)
 
     @property
     def algo_config(self) -> str:

@@ -39,9 +39,14 @@ Cpu detect() {
   const bool zmm_saved = (saved & 0xE6) == 0xE6;  // SSE, AVX, opmask, ZMM_Hi256, Hi16_ZMM
   const bool avx512 = (b & (1u << 16)) && (b & (1u << 17)) && (b & (1u << 30)) && (b & (1u << 31));
   found.avx512_vnni = zmm_saved && avx512 && (c & (1u << 11));
-  const bool amx = (d & (1u << 24)) && (d & (1u << 25));
+  const bool amx_tile = d & (1u << 24), amx_int8 = d & (1u << 25), amx_bf16 = d & (1u << 22);
+  unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
+  __cpuid_count(7, 1, a1, b1, c1, d1);
+  const bool avx512_bf16 = a1 & (1u << 5);
   const bool tiles_saved = (saved & (3ull << 17)) == (3ull << 17);
-  found.amx_int8 = found.avx512_vnni && amx && tiles_saved && request_amx_tiles();
+  const bool tiles = found.avx512_vnni && amx_tile && tiles_saved && (amx_int8 || amx_bf16) && request_amx_tiles();
+  found.amx_int8 = tiles && amx_int8;
+  found.amx_bf16 = tiles && amx_bf16 && avx512_bf16;
   return found;
 }
 

@@ -6,10 +6,10 @@
 // way). A tile of codes (unsigned) meets a tile of activations (signed, 4 bytes of K per row per activation row) and
 // sums into a tile of int32 per column and row; a TDPBUSD never spans two blocks, so after each block the sums are
 // converted to float, the zero point's share (zp x the block's activation sum) is taken off and the two scales
-// applied. The tile configuration lives in static memory: gcc 12 drops the stores of a configuration on the stack
-// before ldtilecfg (it does not see the instruction read them).
+// applied.
 #include "matmul_nbits.h"
 #include "quantize.h"
+#include "tiles.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -26,15 +26,6 @@ namespace {
 
 constexpr int kGroup = 16;      // columns per tile (tile rows), and activation rows per tile (tile columns)
 constexpr int kChunk = 64;      // stored bytes unpacked at once
-
-struct TileConfig {
-  uint8_t palette;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-static_assert(sizeof(TileConfig) == 64, "AMX tile configuration is 64 bytes");
 
 // [depth 16 / 32 / 64][activation rows - 1]: tiles 0-3 sums (16 x rows int32), 4-5 codes (16 x depth bytes), 6-7
 // activations (depth / 4 x rows * 4 bytes).

@@ -41,9 +41,15 @@ bool matmul_int8_avx512(const Weights& w, const float* a, int64_t m, float* y, P
 // on AMX tiles (TDPBUSD: 16 columns x up to 16 rows per instruction). False without AMX (nothing is written then).
 bool matmul_int8_amx(const Weights& w, const float* a, int64_t m, float* y, ParallelFor run, void* context);
 
+// Many rows (a prompt): B unpacked once per call, panel by panel, to bf16 tiles (dequantized values), A converted to
+// bf16, float sums over the whole of K on AMX (TDPBF16PS). bits 4 or 8, block >= 16, no g_idx. False without AMX
+// bf16 (nothing is written then).
+bool matmul_bf16_amx(const Weights& w, const float* a, int64_t m, float* y, ParallelFor run, void* context);
+
 struct Cpu {
   bool avx512_vnni = false;  // AVX-512 F/BW/VL/DQ and VNNI, with the OS saving their registers
   bool amx_int8 = false;     // AMX tiles and int8, the OS saving them and granting this process their use
+  bool amx_bf16 = false;     // AMX tiles and bf16 (and AVX-512 BF16 conversions), likewise
 };
 const Cpu& cpu();
 

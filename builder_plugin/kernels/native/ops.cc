@@ -28,23 +28,46 @@ bool trace() {
   return v != nullptr && *v && std::strcmp(v, "0") != 0;
 }
 
-// Rows from which the AMX tiles beat AVX-512 VNNI (bench_kernel.py); BUILDER_PLUGIN_OPS_PATH=avx512 or amx forces one
-// path for every row count (benchmarks, tests).
+// The kernel's paths: few rows (decode steps) on AVX-512 VNNI reading B in place; many rows (a prompt) on AMX, bf16
+// panels of B (bits 4 and 8, no g_idx) or the int8 block products; the float path where neither applies.
+enum class Path { kFloat, kAvx512, kAmxInt8, kAmxBf16 };
+constexpr const char* kPathNames[] = {"float", "int8 AVX-512", "int8 AMX", "bf16 AMX"};
+
+// Rows from which the many-rows path beats AVX-512 VNNI (bench_kernel.py): the bf16 panels, or on a CPU with AMX int8
+// only, the int8 tiles. BUILDER_PLUGIN_OPS_PATH=avx512, amx or bf16 forces one path for every row count (benchmarks,
+// tests); a path this CPU lacks leaves the default.
+constexpr int64_t kBf16FromRows = 12;
 constexpr int64_t kAmxFromRows = 12;
 
 struct Kernel {
   ort::Api api;
   int64_t k = 0, n = 0, bits = 4, block = 32, accuracy_level = 0;
   std::string name;
-  bool int8_path = false;
-  int64_t amx_from_rows = kAmxFromRows;  // INT64_MAX: never
+  Path few = Path::kFloat, many = Path::kFloat;
+  int64_t many_from_rows = INT64_MAX;
 };
 
-int64_t amx_from_rows() {
+void choose_paths(Kernel& kernel) {
+  const bp::Cpu& cpu = bp::cpu();
+  if (kernel.accuracy_level != 4 || (kernel.bits != 4 && kernel.bits != 8) || !cpu.avx512_vnni) return;
+  kernel.few = kernel.many = Path::kAvx512;
+  if (cpu.amx_bf16) {
+    kernel.many = Path::kAmxBf16;
+    kernel.many_from_rows = kBf16FromRows;
+  } else if (cpu.amx_int8) {
+    kernel.many = Path::kAmxInt8;
+    kernel.many_from_rows = kAmxFromRows;
+  }
   const char* forced = std::getenv("BUILDER_PLUGIN_OPS_PATH");
-  if (forced != nullptr && std::strcmp(forced, "avx512") == 0) return INT64_MAX;
-  if (forced != nullptr && std::strcmp(forced, "amx") == 0) return 1;
-  return kAmxFromRows;
+  const Path path = forced == nullptr                   ? Path::kFloat
+                    : std::strcmp(forced, "avx512") == 0 ? Path::kAvx512
+                    : std::strcmp(forced, "amx") == 0 && cpu.amx_int8 ? Path::kAmxInt8
+                    : std::strcmp(forced, "bf16") == 0 && cpu.amx_bf16 ? Path::kAmxBf16
+                                                                        : Path::kFloat;
+  if (path != Path::kFloat) {
+    kernel.few = kernel.many = path;
+    kernel.many_from_rows = INT64_MAX;
+  }
 }
 
 int64_t attribute(const ort::Api& api, const OrtKernelInfo* info, const char* name, int64_t fallback) {
@@ -80,15 +103,17 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* table, const OrtKerne
     delete kernel;
     return api.CreateStatus(ORT_INVALID_ARGUMENT, message.c_str());
   }
-  kernel->int8_path = kernel->accuracy_level == 4 && (kernel->bits == 4 || kernel->bits == 8) && bp::cpu().avx512_vnni;
-  kernel->amx_from_rows = bp::cpu().amx_int8 ? amx_from_rows() : INT64_MAX;
-  if (trace())
+  choose_paths(*kernel);
+  if (trace()) {
+    std::string paths = kPathNames[static_cast<int>(kernel->few)];
+    if (kernel->many_from_rows != INT64_MAX)
+      paths += " (up to " + std::to_string(kernel->many_from_rows - 1) + " rows) / " +
+               kPathNames[static_cast<int>(kernel->many)];
     std::fprintf(stderr, "%s: MatMulNBits %s K=%lld N=%lld bits=%lld block=%lld accuracy_level=%lld: %s path\n",
                  kLibrary, kernel->name.c_str(), static_cast<long long>(kernel->k), static_cast<long long>(kernel->n),
                  static_cast<long long>(kernel->bits), static_cast<long long>(kernel->block),
-                 static_cast<long long>(kernel->accuracy_level), !kernel->int8_path ? "float"
-                 : kernel->amx_from_rows == 1 ? "int8 AMX"
-                 : kernel->amx_from_rows == INT64_MAX ? "int8 AVX-512" : "int8 AVX-512 (1 row) / AMX");
+                 static_cast<long long>(kernel->accuracy_level), paths.c_str());
+  }
   *out = kernel;
   return nullptr;
 }
@@ -166,9 +191,11 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* context) {
   Context ctx{&api, context};
   auto* out = static_cast<float*>(y);
   bool done = false;
-  if (kernel.int8_path && w.g_idx == nullptr) {
-    done = m >= kernel.amx_from_rows && bp::matmul_int8_amx(w, a, m, out, parallel_for, &ctx);
-    done = done || bp::matmul_int8_avx512(w, a, m, out, parallel_for, &ctx);
+  if (w.g_idx == nullptr) {
+    const Path path = m >= kernel.many_from_rows ? kernel.many : kernel.few;
+    if (path == Path::kAmxBf16) done = bp::matmul_bf16_amx(w, a, m, out, parallel_for, &ctx);
+    if (path == Path::kAmxInt8) done = bp::matmul_int8_amx(w, a, m, out, parallel_for, &ctx);
+    if (path != Path::kFloat) done = done || bp::matmul_int8_avx512(w, a, m, out, parallel_for, &ctx);
   }
   if (!done) bp::matmul_reference(w, a, m, out, parallel_for, &ctx);
   return nullptr;

@@ -14,8 +14,9 @@ import functools
 from pathlib import Path
 
 LIBRARY_NAME = "libbuilder_plugin_ops.so"
-# What the library does on this CPU (its BuilderPluginOpsLevel()): the order of LEVELS.
-LEVELS = ("none", "avx512_vnni", "amx")
+# What the library does on this CPU (its BuilderPluginOpsLevel()): the order of LEVELS. "amx": AMX int8 tiles;
+# "amx_bf16": and AMX bf16, the path of many rows (prompts).
+LEVELS = ("none", "avx512_vnni", "amx", "amx_bf16")
 # /proc/cpuinfo flags under which the library has a faster path than onnxruntime's kernel.
 FAST_PATH_FLAGS = ("avx512_vnni",)
 
@@ -28,8 +29,8 @@ def library_path() -> Path | None:
 
 @functools.cache
 def level() -> str:
-    """What the library would do in this process: "none" (registers nothing), "avx512_vnni" or "amx"; "none"
-    without the library."""
+    """What the library would do in this process: "none" (registers nothing), "avx512_vnni", "amx" or "amx_bf16";
+    "none" without the library."""
     path = library_path()
     if path is None:
         return "none"

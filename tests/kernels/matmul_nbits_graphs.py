@@ -125,3 +125,32 @@ def quantization_bound(b: QuantizedB, a: np.ndarray) -> np.ndarray:
     _, scales_a = quantize_a(a, b.block)
     steps = np.repeat(scales_a.astype(np.float64), b.block, axis=1)[:, :b.k] / 2
     return steps @ np.abs(b.dequantized()).T
+
+
+def bf16(x: np.ndarray) -> np.ndarray:
+    """float32 values rounded to bfloat16 (nearest, ties to even), as float32."""
+    bits = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16 << 16
+    return rounded.astype(np.uint32).view(np.float32)
+
+
+def bf16_operands(b: QuantizedB, a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The bf16 path's operands in float64: A rounded to bf16; B dequantized, (code - zero point) x scale rounded once
+    to float32, then to bf16. ([m, k], [n, k])"""
+    return bf16(a).astype(np.float64), bf16(b.dequantized().astype(np.float32)).astype(np.float64)
+
+
+def bf16_reference(b: QuantizedB, a: np.ndarray, bias: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Y of the bf16 path in float64 (exact products and sums of the bf16 operands) and the bound of its float32
+    summation: [m, n] each."""
+    a64, w64 = bf16_operands(b, a)
+    y = a64 @ w64.T + (bias.astype(np.float64) if bias is not None else 0.0)
+    magnitude = np.abs(a64) @ np.abs(w64).T + (np.abs(bias) if bias is not None else 0.0)
+    return y, magnitude * (b.k + 2) * 2.0 ** -24
+
+
+def bf16_bound(b: QuantizedB, a: np.ndarray) -> np.ndarray:
+    """[m, n] bound of |bf16 result - float result|: each operand moves by at most 2^-8 of itself (bf16 keeps 8
+    significant bits), so each product by (2^-8 + 2^-8 + 2^-16) of itself, and the float32 sums a little more."""
+    relative = 2 * 2.0 ** -8 + 2.0 ** -16 + (b.k + 2) * 2.0 ** -23
+    return (np.abs(a).astype(np.float64) @ np.abs(b.dequantized()).T) * relative

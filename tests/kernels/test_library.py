@@ -33,8 +33,10 @@ def test_declarations_match_the_installed_onnxruntime():
 
 def test_level_names_what_the_cpu_offers():
     flags = kernels.cpu_flags()
-    expected = "amx" if {"avx512_vnni", "amx_tile", "amx_int8"} <= flags else (
-        "avx512_vnni" if {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags else "none")
+    vnni = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags
+    amx = vnni and {"amx_tile", "amx_int8"} <= flags
+    expected = "amx_bf16" if amx and {"amx_bf16", "avx512_bf16"} <= flags else (
+        "amx" if amx else ("avx512_vnni" if vnni else "none"))
     assert kernels.level() == expected
 
 

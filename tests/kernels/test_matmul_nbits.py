@@ -1,7 +1,8 @@
 """The library's MatMulNBits kernel (builder_plugin/kernels) through onnxruntime, against independent numpy
 references: the exact integer block sums of its int8 path, the float result within the activation quantization's
-bound, and onnxruntime's own kernel. Where this CPU lacks AVX-512 VNNI the library must register nothing, and the
-session answers with onnxruntime's kernel."""
+bound, and onnxruntime's own kernel; its bf16 path of many rows (AMX) against the exact sums of bf16-rounded operands.
+Where this CPU lacks AVX-512 VNNI the library must register nothing, and the session answers with onnxruntime's
+kernel."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 from builder_plugin import kernels
 from builder_plugin.quant_choices import BLOCK_SIZES
 from tests.kernels.matmul_nbits_graphs import (
+    bf16_bound,
+    bf16_reference,
     int8_reference,
     quantization_bound,
     random_b,
@@ -23,7 +26,9 @@ ACTIVE = kernels.level() != "none"
 TRACE = "BUILDER_PLUGIN_OPS_TRACE"
 # The int8 paths this CPU runs (BUILDER_PLUGIN_OPS_PATH forces one for every row count) and the trace naming each.
 PATHS = {"avx512": "int8 AVX-512 path", "amx": "int8 AMX path"}
-INT8_PATHS = [path for path in PATHS if path == "avx512" or kernels.level() == "amx"]
+INT8_PATHS = [path for path in PATHS if path == "avx512" or kernels.level() in ("amx", "amx_bf16")]
+BF16 = kernels.level() == "amx_bf16"
+BF16_FROM_ROWS = 16  # ops.cc: kBf16FromRows
 
 
 @pytest.fixture(params=INT8_PATHS)
@@ -132,3 +137,79 @@ def test_float_path_for_other_accuracy_levels(tmp_path, monkeypatch, capfd, accu
     assert traced_path(capfd, path) == ("float path" if ACTIVE else "")
     y = run(path, a, library=True).astype(np.float64)
     np.testing.assert_allclose(y, a.astype(np.float64) @ b.dequantized().T, rtol=1e-5, atol=1e-5)
+
+
+def check_bf16_path(y: np.ndarray, b, a: np.ndarray, bias: np.ndarray | None, builtin: np.ndarray) -> None:
+    """Y of the bf16 path where this CPU has AMX bf16 (the exact sums of the bf16-rounded operands, up to float32
+    summation, and within bf16's bound of the float result); elsewhere the library's int8 path (forcing a path the CPU
+    lacks leaves the default), or onnxruntime's kernel where the library registers nothing."""
+    y = y.astype(np.float64)
+    exact = a.astype(np.float64) @ b.dequantized().T + (bias if bias is not None else 0.0)
+    if BF16:
+        expected, summation = bf16_reference(b, a, bias)
+        assert np.all(np.abs(y - expected) <= summation + 1e-30)
+        assert np.all(np.abs(y - exact) <= bf16_bound(b, a) + 1e-6)
+    elif ACTIVE:
+        assert np.abs(y - int8_reference(b, a, bias)).max() <= 1e-5 * (np.abs(exact).max() + 1)
+    else:
+        np.testing.assert_array_equal(y, builtin)
+
+
+@pytest.mark.parametrize(("bits", "block", "zero_points"), CASES)
+@pytest.mark.parametrize("rows", [12, 17, 64])
+def test_bf16_path_against_the_bf16_reference(tmp_path, monkeypatch, capfd, bits, block, zero_points, rows):
+    """Many rows: A and the dequantized B rounded to bf16, sums in float32 over all of K. A channel 1000 times larger
+    than the others (the "massive activations" of real checkpoints) costs the others nothing: bf16 keeps each value's
+    own exponent."""
+    rng = np.random.default_rng(rows * 11 + bits * 100 + block + zero_points)
+    k, n = 3 * block + block // 2 + 3, 37  # K ends inside a block and inside a tile's 32 rows
+    b = random_b(rng, k, n, bits, block, zero_points)
+    a = rng.standard_normal((rows, k)).astype(np.float32)
+    a[:, 5] *= 1000
+    bias = rng.standard_normal(n).astype(np.float32) if zero_points else None
+    path = write_graph(tmp_path / "g.onnx", b, bias=bias)
+    monkeypatch.setenv("BUILDER_PLUGIN_OPS_PATH", "bf16")
+    monkeypatch.setenv(TRACE, "1")
+    assert traced_path(capfd, path) == ("bf16 AMX path" if BF16 else PATHS["avx512"] if ACTIVE else "")
+    check_bf16_path(run(path, a, library=True), b, a, bias, run(path, a, library=False))
+
+
+@pytest.mark.parametrize(("rows", "k", "n", "bits", "block"), [
+    (70, 4200, 300, 4, 32),   # two depth blocks of K (the second adds to Y's sums), several panels, edge tiles
+    (33, 4133, 45, 8, 16),    # blocks of 16 (a tile's 32 rows of K span two), K past 4096 and inside a tile
+    (512, 256, 160, 4, 128),  # a prompt's rows over a short K (LoRA's B): the rows split over tasks
+])
+def test_bf16_path_long_k_and_many_rows(tmp_path, monkeypatch, rows, k, n, bits, block):
+    rng = np.random.default_rng(rows + k + n)
+    b = random_b(rng, k, n, bits, block, zero_points=True)
+    a = rng.standard_normal((rows, k)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32)
+    path = write_graph(tmp_path / "g.onnx", b, bias=bias)
+    monkeypatch.setenv("BUILDER_PLUGIN_OPS_PATH", "bf16")
+    check_bf16_path(run(path, a, library=True), b, a, bias, run(path, a, library=False))
+
+
+def test_rows_choose_the_path(tmp_path, capfd, monkeypatch):
+    """By default a call with fewer than BF16_FROM_ROWS rows takes the int8 AVX-512 path and one with more the bf16
+    path (where the CPU has it), chosen per call."""
+    rng = np.random.default_rng(5)
+    b = random_b(rng, 500, 40, 4, 32, zero_points=True)
+    path = write_graph(tmp_path / "g.onnx", b)
+    monkeypatch.delenv("BUILDER_PLUGIN_OPS_PATH", raising=False)
+    monkeypatch.setenv(TRACE, "1")
+    expected = "" if not ACTIVE else (f"int8 AVX-512 (up to {BF16_FROM_ROWS - 1} rows) / bf16 AMX path" if BF16
+                                      else PATHS["avx512"] if kernels.level() == "avx512_vnni"
+                                      else "int8 AVX-512 (up to 11 rows) / int8 AMX path")
+    assert traced_path(capfd, path) == expected
+    monkeypatch.delenv(TRACE)
+    for rows in (BF16_FROM_ROWS - 1, BF16_FROM_ROWS):
+        a = rng.standard_normal((rows, 500)).astype(np.float32)
+        y = run(path, a, library=True).astype(np.float64)
+        int8 = int8_reference(b, a)
+        if not ACTIVE:
+            continue
+        close_to_int8 = bool(np.abs(y - int8).max() <= 1e-5 * (np.abs(int8).max() + 1))
+        assert close_to_int8 is (rows < BF16_FROM_ROWS or not BF16)
+        if BF16 and rows >= BF16_FROM_ROWS:
+            expected_y, summation = bf16_reference(b, a)
+            assert np.all(np.abs(y - expected_y) <= summation)

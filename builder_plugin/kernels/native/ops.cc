@@ -36,7 +36,7 @@ constexpr const char* kPathNames[] = {"float", "int8 AVX-512", "int8 AMX", "bf16
 // Rows from which the many-rows path beats AVX-512 VNNI (bench_kernel.py): the bf16 panels, or on a CPU with AMX int8
 // only, the int8 tiles. BUILDER_PLUGIN_OPS_PATH=avx512, amx or bf16 forces one path for every row count (benchmarks,
 // tests); a path this CPU lacks leaves the default.
-constexpr int64_t kBf16FromRows = 12;
+constexpr int64_t kBf16FromRows = 16;
 constexpr int64_t kAmxFromRows = 12;
 
 struct Kernel {
@@ -301,9 +301,10 @@ __attribute__((visibility("default"))) const char* BuilderPluginOpsCheckApi(cons
 }
 
 // What the library would do on this CPU, for the Python side and the tests: 0 registers nothing, 1 the AVX-512 VNNI
-// int8 path, 2 that and AMX tiles granted.
+// int8 path, 2 that and AMX int8 tiles granted, 3 that and AMX bf16 (the many-rows path of prompts).
 __attribute__((visibility("default"))) int BuilderPluginOpsLevel() {
-  return bp::cpu().amx_int8 ? 2 : (bp::cpu().avx512_vnni ? 1 : 0);
+  const bp::Cpu& cpu = bp::cpu();
+  return cpu.amx_bf16 && cpu.amx_int8 ? 3 : cpu.amx_int8 ? 2 : (cpu.avx512_vnni ? 1 : 0);
 }
 
 }  // extern "C"

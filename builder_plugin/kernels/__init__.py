@@ -37,6 +37,19 @@ def level() -> str:
     return LEVELS[ctypes.CDLL(str(path)).BuilderPluginOpsLevel()]
 
 
+@functools.cache
+def paths() -> str:
+    """The paths the library's MatMulNBits takes in this process for the builder's CPU packages (4 or 8 bits,
+    accuracy_level 4), as its trace names them: "int8 AVX-512 (up to 15 rows) / bf16 AMX" (few rows: decode steps;
+    many: prompts); "" where it registers nothing or was not built."""
+    path = library_path()
+    if path is None:
+        return ""
+    function = ctypes.CDLL(str(path)).BuilderPluginOpsPaths
+    function.restype = ctypes.c_char_p
+    return function().decode()
+
+
 def cpu_flags(cpuinfo: Path = Path("/proc/cpuinfo")) -> set[str]:
     """The first CPU's feature flags as Linux lists them (empty elsewhere)."""
     try:

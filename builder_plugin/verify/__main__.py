@@ -73,7 +73,7 @@ def verify(args: argparse.Namespace) -> Report:
     from builder_plugin.precisions import lowest
     from builder_plugin.reference.streaming import StreamingReference, TeacherForced
     from builder_plugin.runtime import ChatError
-    from builder_plugin.verify.engine import run_package
+    from builder_plugin.verify.engine import matmul_kernel, run_package
     from builder_plugin.verify.metrics import THRESHOLDS, compare, judge
     from builder_plugin.verify.package_info import check_architecture, has_speech, package_precisions
     from builder_plugin.verify.prompts import build_cases
@@ -124,7 +124,7 @@ def verify(args: argparse.Namespace) -> Report:
     threshold = THRESHOLDS[precision]
     verdicts = [judge(mode, [m for m in metrics if m.mode == mode], threshold) for mode in modes]
     return Report(str(package), str(args.checkpoint), reference.checkpoint.source_format, precision, graphs, threshold,
-                  args.max_new_tokens, verdicts, metrics, timings, peak_gb, private_gb)
+                  args.max_new_tokens, verdicts, metrics, matmul_kernel(str(package)), timings, peak_gb, private_gb)
 
 
 def _peak_rss_gb() -> float:

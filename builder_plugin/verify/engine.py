@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnxruntime_genai as og
 
+from builder_plugin import kernels
 from builder_plugin.layout import INPUT_IDS, LOGITS
 from builder_plugin.runtime import Chat, og_audios, og_images
 from builder_plugin.runtime.errors import first_line
@@ -32,6 +33,14 @@ class PackageRun:
     @property
     def prompt_length(self) -> int:
         return int(self.inputs[INPUT_IDS].shape[-1])
+
+
+def matmul_kernel(package: str) -> str:
+    """The MatMulNBits kernel the package's sessions run on in this process, as the run-time helper chooses it for any
+    app (builder_plugin.runtime.kernel_library): the library with its paths (few rows / many rows), or onnxruntime's."""
+    if Chat(package).package.kernel_library is None:
+        return "onnxruntime's own kernel"
+    return f"the builder_plugin library ({kernels.paths()})"
 
 
 def run_package(package: str, cases: Sequence[Case], max_new_tokens: int,

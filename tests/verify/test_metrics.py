@@ -21,11 +21,13 @@ VOCAB = 8
 
 
 def _metrics(positions: int = 10, agreed: int | None = None, relative: float = 0.0, mean_kl: float = 0.0,
-             near_ties: int = 0) -> CaseMetrics:
+             near_ties: int = 0, prefill_relative: float = 0.0, prefill_kl: float = 0.0) -> CaseMetrics:
     agreed = positions if agreed is None else agreed
     return CaseMetrics(case="case", mode="text", variant="decoder.onnx", prompt_tokens=4, positions=positions,
-                       logit_scale=SCALE, max_abs_diff=relative * SCALE, top1_agreement=agreed / positions,
-                       near_ties=near_ties, mean_kl=mean_kl, max_kl=mean_kl, identical_prefix=agreed,
+                       logit_scale=SCALE, max_abs_diff=max(relative, prefill_relative) * SCALE,
+                       top1_agreement=agreed / positions, near_ties=near_ties, mean_kl=mean_kl,
+                       max_kl=max(mean_kl, prefill_kl), identical_prefix=agreed,
+                       prefill_abs_diff=prefill_relative * SCALE, prefill_kl=prefill_kl, prefill_top1=agreed > 0,
                        tokens=[0] * positions, reference_argmax=[0] * positions)
 
 
@@ -80,3 +82,28 @@ def test_the_near_tie_rule_at_its_boundary() -> None:
     assert judge("text", [at], THRESHOLDS["fp32"]).passed
     verdict = judge("text", [beyond], THRESHOLDS["fp32"])
     assert not verdict.passed and verdict.reasons == ["top-1 agreement 0.0% (limit 100%)"]
+
+
+def test_the_prefill_is_held_to_the_limits_on_its_own() -> None:
+    """The first position (the prompt's run through the decoder, the many-rows path of a MatMul kernel) may not hide
+    among the decode positions: its KL and logit difference are judged alone too."""
+    max_kl = README_LIMITS["int4"][2]
+    # 1 prefill position at 5x the limit among 99 decode positions with none: the pooled mean is within the limit
+    verdict = judge("text", [_metrics(positions=100, mean_kl=max_kl * 5 / 100, prefill_kl=max_kl * 5)],
+                    THRESHOLDS["int4"])
+    assert verdict.reasons == [f"prefill: mean KL {max_kl * 5:.3g} nats (limit {max_kl:g})"]
+    assert verdict.decode_mean_kl == 0.0 and verdict.prefill_mean_kl == pytest.approx(max_kl * 5)
+    assert judge("text", [_metrics(positions=100, prefill_kl=max_kl)], THRESHOLDS["int4"]).passed
+    limit = README_LIMITS["fp32"][0]
+    verdict = judge("text", [_metrics(prefill_relative=limit * 2)], THRESHOLDS["fp32"])
+    assert f"prefill: max |Δ logits| is {limit * 2:.2g} of the logit scale (limit {limit:g})" in verdict.reasons
+
+
+def test_compare_takes_the_prefill_from_the_first_position() -> None:
+    reference = np.zeros((3, VOCAB))
+    reference[:, 0] = 3.0
+    package = reference.copy()
+    package[0, 2] = 2.0  # the prompt's run differs, the decode steps do not
+    metrics = compare("case", "text", "decoder.onnx", 4, [0, 0, 0], package, reference)
+    assert metrics.prefill_abs_diff == 2.0 and metrics.prefill_top1
+    assert metrics.prefill_kl > 0 and metrics.prefill_kl == pytest.approx(metrics.mean_kl * 3)

@@ -70,6 +70,15 @@ void choose_paths(Kernel& kernel) {
   }
 }
 
+// The kernel's paths, as the trace and BuilderPluginOpsPaths name them.
+std::string describe(const Kernel& kernel) {
+  std::string paths = kPathNames[static_cast<int>(kernel.few)];
+  if (kernel.many_from_rows != INT64_MAX)
+    paths += " (up to " + std::to_string(kernel.many_from_rows - 1) + " rows) / " +
+             kPathNames[static_cast<int>(kernel.many)];
+  return paths;
+}
+
 int64_t attribute(const ort::Api& api, const OrtKernelInfo* info, const char* name, int64_t fallback) {
   int64_t value = fallback;
   if (OrtStatus* status = api.KernelInfoGetAttribute_int64(info, name, &value)) {
@@ -104,16 +113,11 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* table, const OrtKerne
     return api.CreateStatus(ORT_INVALID_ARGUMENT, message.c_str());
   }
   choose_paths(*kernel);
-  if (trace()) {
-    std::string paths = kPathNames[static_cast<int>(kernel->few)];
-    if (kernel->many_from_rows != INT64_MAX)
-      paths += " (up to " + std::to_string(kernel->many_from_rows - 1) + " rows) / " +
-               kPathNames[static_cast<int>(kernel->many)];
+  if (trace())
     std::fprintf(stderr, "%s: MatMulNBits %s K=%lld N=%lld bits=%lld block=%lld accuracy_level=%lld: %s path\n",
                  kLibrary, kernel->name.c_str(), static_cast<long long>(kernel->k), static_cast<long long>(kernel->n),
                  static_cast<long long>(kernel->bits), static_cast<long long>(kernel->block),
-                 static_cast<long long>(kernel->accuracy_level), paths.c_str());
-  }
+                 static_cast<long long>(kernel->accuracy_level), describe(*kernel).c_str());
   *out = kernel;
   return nullptr;
 }
@@ -305,6 +309,22 @@ __attribute__((visibility("default"))) const char* BuilderPluginOpsCheckApi(cons
 __attribute__((visibility("default"))) int BuilderPluginOpsLevel() {
   const bp::Cpu& cpu = bp::cpu();
   return cpu.amx_bf16 && cpu.amx_int8 ? 3 : cpu.amx_int8 ? 2 : (cpu.avx512_vnni ? 1 : 0);
+}
+
+// The paths a 4-bit MatMulNBits node with accuracy_level 4 (the builder's CPU packages) takes on this CPU, as the
+// trace names them ("int8 AVX-512 (up to 15 rows) / bf16 AMX"); "" where the library registers nothing.
+__attribute__((visibility("default"))) const char* BuilderPluginOpsPaths() {
+  static std::string paths;
+  static std::once_flag made;
+  std::call_once(made, [] {
+    Kernel kernel{ort::Api{nullptr}};
+    kernel.accuracy_level = 4;
+    if (bp::cpu().avx512_vnni) {
+      choose_paths(kernel);
+      paths = describe(kernel);
+    }
+  });
+  return paths.c_str();
 }
 
 }  // extern "C"

@@ -1,7 +1,8 @@
 """Write a random Phi-4-multimodal checkpoint in the original Hugging Face layout or the transformers-native one.
 
-    python -m builder_plugin.testing.make_checkpoint OUT [--preset tiny|full] [--seed N] [--format original|native]
-        [--text-layers N] [--vision-layers N] [--audio-blocks N] [--shards N] [--dtype bfloat16|float32] [--overwrite]
+    python -m builder_plugin.testing.make_checkpoint OUT [--preset tiny|full|tiny-outliers|full-outliers] [--seed N]
+        [--format original|native] [--text-layers N] [--vision-layers N] [--audio-blocks N] [--shards N]
+        [--dtype bfloat16|float32] [--overwrite]
 
 The tensor list comes from transformers' native ``Phi4MultimodalForCausalLM`` built on the meta device, renamed to
 the original ``phi4mm`` keys with one table (``NATIVE_TO_ORIGINAL``); a native name the table does not cover is an

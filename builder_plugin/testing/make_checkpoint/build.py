@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import time
@@ -64,6 +65,9 @@ def build_checkpoint(
         original["torch_dtype"] = dtype
     native = native_config(original)
     plan = plan_tensors(original, native_state_shapes(native))
+    outliers = PRESETS[preset].get("outliers")
+    if outliers is not None:
+        plan = [dataclasses.replace(planned, outliers=outliers) for planned in plan]
     if num_shards is None:
         num_shards = PRESETS[preset]["num_shards"]
 

@@ -1,6 +1,9 @@
-"""The checkpoint sizes the generator knows (tiny for tests, full for the released shapes) and their rope factors."""
+"""The checkpoint sizes the generator knows (tiny for tests, full for the released shapes; each also "-outliers",
+with the outliers of real checkpoints planted: outliers.py) and their rope factors."""
 
 from __future__ import annotations
+
+from builder_plugin.testing.make_checkpoint.outliers import Outliers
 
 # Long-RoPE long factors of the released checkpoint (48 = 128 head dims * 0.75 / 2).
 REAL_LONG_FACTORS = (
@@ -61,6 +64,10 @@ PRESETS: dict[str, dict] = {
         "num_shards": 2,
     },
 }
+
+
+for _size in ("tiny", "full"):
+    PRESETS[f"{_size}-outliers"] = {**PRESETS[_size], "outliers": Outliers()}
 
 
 def long_rope_factors(count: int) -> tuple[list[float], list[float]]:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from builder_plugin.testing.make_checkpoint.outliers import Outliers, planting
+
 BLOCK_ELEMENTS = 1 << 22  # random numbers are drawn in blocks of this many elements, whatever the tensor size
 DTYPES = {"bfloat16": (torch.bfloat16, "BF16"), "float32": (torch.float32, "F32")}
 
@@ -38,6 +40,7 @@ class PlannedTensor:
     mean: float
     std: float
     log_normal: bool = False  # exp(mean + std * z): strictly positive
+    outliers: Outliers | None = None  # planted outliers (outliers.py), or none
 
     @property
     def numel(self) -> int:
@@ -72,9 +75,12 @@ def distribution(native_name: str, shape: tuple[int, ...], text_hidden: int) -> 
 
 
 def tensor_blocks(seed: int, planned: PlannedTensor, dtype: torch.dtype) -> Iterator[torch.Tensor]:
-    """The tensor's values, flattened, in blocks of BLOCK_ELEMENTS; depends only on (seed, original name)."""
+    """The tensor's values, flattened, in blocks of BLOCK_ELEMENTS; depends only on (seed, original name) and the
+    planted outliers."""
     digest = hashlib.sha256(f"{seed}/{planned.original_name}".encode()).digest()
     generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
+    planted = planting(seed, planned.native_name, planned.shape, planned.std, planned.outliers) \
+        if planned.outliers is not None else None
     remaining = planned.numel
     while remaining:
         count = min(remaining, BLOCK_ELEMENTS)
@@ -82,6 +88,8 @@ def tensor_blocks(seed: int, planned: PlannedTensor, dtype: torch.dtype) -> Iter
         block.mul_(planned.std).add_(planned.mean)
         if planned.log_normal:
             block.exp_()
+        if planted is not None:
+            planted.apply(block, planned.numel - remaining)
         yield block.to(dtype)
         remaining -= count
 

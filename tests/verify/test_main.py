@@ -88,11 +88,29 @@ def test_good_package_passes_every_mode(request, tmp_path, layout):
     for mode in data["modes"]:
         assert mode["passed"] and mode["top1_agreement"] == 1.0
         assert mode["positions"] == NEW_TOKENS
-        assert mode["max_relative_diff"] <= 1e-3
+        assert mode["max_relative_diff"] <= 1e-3 and mode["prefill_max_relative_diff"] <= 1e-3
+    assert data["matmul_kernel"] == "onnxruntime's own kernel"  # an fp32 package: no MatMulNBits, no library
     variants = {c["mode"]: c["variant"] for c in data["cases"]}
     assert variants == dict.fromkeys(VERIFY_MODES, MAIN_DECODER)  # one self-routing decoder answers every mode
     for side in ("package", "reference"):
         assert 0 < data["peak_private_gb"][side] <= data["peak_rss_gb"]["overall"]
+
+
+def test_int4_package_reports_the_prompt_path(tmp_path, tiny_int4_package, tiny_checkpoint):
+    """verify runs the package as the run-time helper does (the kernel library where it helps) and reports the
+    prefill, which every built-in prompt makes long enough for a kernel's many-rows path, apart from decode."""
+    from builder_plugin import kernels
+
+    _, data = verify_json(tmp_path, tiny_int4_package, tiny_checkpoint, "--modes", "text,image")
+    library = kernels.level() != "none"
+    assert data["matmul_kernel"] == (f"the builder_plugin library ({kernels.paths()})" if library
+                                     else "onnxruntime's own kernel")
+    assert all(case["prompt_tokens"] >= 16 for case in data["cases"])
+    for mode in data["modes"]:
+        assert mode["prefill_mean_kl"] >= 0 and 0 <= mode["prefill_top1"] <= 1
+        assert mode["decode_mean_kl"] >= 0
+    report = (tmp_path / "report.md").read_text()
+    assert "prefill mean KL" in report and "MatMulNBits ran on" in report
 
 
 def test_user_prompts_and_media_add_cases(tmp_path, tiny_package, tiny_checkpoint, media_dir):

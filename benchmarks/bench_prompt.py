@@ -1,0 +1,179 @@
+"""Prompts as an app meets them, through builder_plugin.runtime.Chat: a 512-token text prompt, a one-image question
+(448x448: the global view and one crop, about 550 tokens) and a 30-second clip, each asked in a fresh process on a
+package with the project's kernel library and without it (onnxruntime's own MatMulNBits, today's default before the
+library), taking turns.
+
+    python -m benchmarks.bench_prompt PKG [--rounds 2] [--asks 2] [--new-tokens 16] [--prompts text-512,image,audio-30s]
+    python -m benchmarks.bench_prompt --from-json benchmarks/results/prompt.json   # redo the report
+
+Reported per prompt and kernel, best / median over the rounds: time to the first token (question asked to first
+piece of the answer: processor, encoders, embedding and the decoder's prefill; the first question of the process and
+the next one, a new conversation, apart), prefill tokens/s (prompt tokens / that time), decode tokens/s (the answer's
+later tokens), the process' resident memory after the package loaded and at its peak, and the load time. Every row
+notes the machine's load average (other jobs share the cores: background load only ever slows a run down).
+Results: benchmarks/results/prompt.json and the "Prompts through Chat" section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import (
+    BENCHMARKS_DOC,
+    RESULTS_DIR,
+    ROOT,
+    current_rss_bytes,
+    fmt,
+    machine_markdown,
+    make_media,
+    markdown_table,
+    measure_or_replay,
+    peak_rss_bytes,
+)
+
+HEADING = "## Prompts through Chat"
+KERNELS = {"library": "1", "onnxruntime": "0"}  # BUILDER_PLUGIN_KERNELS
+IMAGE_SIZE = (448, 448)
+AUDIO_SECONDS = 30.0
+TEXT_TOKENS = 512
+STORY = ("The lighthouse keeper counted the ships that passed in the storm and wrote each name she could read into "
+         "a small blue book, with the hour, the wind and the colour of the sea. ")
+PROMPTS = {
+    "text-512": ("Summarise the notes above in three sentences.", False, False),
+    "image": ("Describe the picture in detail.", True, False),
+    "audio-30s": ("Transcribe the audio clip.", False, True),
+}
+
+
+def text_prompt(chat: Any, question: str, tokens: int) -> str:
+    """`question` after enough of STORY that the whole prompt is about `tokens` tokens."""
+    loaded = chat.package.load(chat.main_decoder)
+    ids = loaded.encode(STORY * (tokens // 8))
+    overhead = len(loaded.encode(f"<|user|>\n{question}<|end|><|assistant|>"))
+    return loaded.tokenizer.decode(ids[:max(tokens - overhead, 1)]) + "\n" + question
+
+
+def worker(package: str, prompt: str, media: str, asks: int, new_tokens: int) -> dict[str, Any]:
+    from builder_plugin.runtime import Chat, Sampling
+
+    started = time.perf_counter()
+    chat = Chat(package)
+    question, with_image, with_audio = PROMPTS[prompt]
+    chat.package.load(chat.next_variant([Path(media) / "photo.png"] if with_image else [],
+                                        [Path(media) / "clip.wav"] if with_audio else []))
+    load_s = time.perf_counter() - started
+    rss_after_load = current_rss_bytes()
+    if prompt.startswith("text"):
+        question = text_prompt(chat, question, TEXT_TOKENS)
+    images = [Path(media) / "photo.png"] if with_image else []
+    audios = [Path(media) / "clip.wav"] if with_audio else []
+    runs = []
+    for _ in range(asks):
+        chat.clear()
+        for _ in chat.ask(question, images, audios, max_new_tokens=new_tokens, sampling=Sampling()):
+            pass
+        stats = chat.last_stats
+        runs.append({"prompt_tokens": stats.prompt_tokens, "ttft_s": stats.time_to_first_token_s,
+                     "decode_tokens_per_s": stats.tokens_per_s, "new_tokens": stats.new_tokens})
+    return {"load_s": load_s, "rss_after_load_bytes": rss_after_load, "peak_rss_bytes": peak_rss_bytes(),
+            "runs": runs, "load_average": os.getloadavg()[0]}
+
+
+def _child(package: Path, prompt: str, kernels: str, media: Path, args: argparse.Namespace) -> dict[str, Any]:
+    job = {"package": str(package), "prompt": prompt, "media": str(media), "asks": args.asks,
+           "new_tokens": args.new_tokens}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "BUILDER_PLUGIN_KERNELS": KERNELS[kernels]}
+    done = subprocess.run([sys.executable, "-m", __spec__.name, "--worker", json.dumps(job)], capture_output=True,
+                          text=True, env=env)
+    if done.returncode:
+        raise SystemExit(f"{prompt} with {kernels} failed: {done.stderr.strip()[-1500:]}")
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"{prompt}, {kernels}: first token " + ", ".join(f"{r['ttft_s']:.2f}" for r in found["runs"]) +
+          f" s, load average {found['load_average']:.2f}", file=sys.stderr, flush=True)
+    return found
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    results: dict[str, list[dict[str, Any]]] = {}
+    with tempfile.TemporaryDirectory(prefix="bench-prompt-") as folder:
+        media = make_media(Path(folder), IMAGE_SIZE, AUDIO_SECONDS)
+        for round_index in range(args.rounds):
+            order = list(KERNELS) if round_index % 2 == 0 else list(KERNELS)[::-1]
+            for prompt in args.prompts:
+                for kernels in order:
+                    results.setdefault(f"{prompt}|{kernels}", []).append(
+                        _child(args.package, prompt, kernels, media, args))
+    return {"package": str(args.package), "rounds": args.rounds, "asks": args.asks, "new_tokens": args.new_tokens,
+            "prompts": args.prompts, "results": results}
+
+
+def _best_median(values: list[float], digits: int = 2) -> str:
+    return f"{fmt(min(values), digits)} / {fmt(statistics.median(values), digits)}" if values else ""
+
+
+def report(results: dict[str, Any]) -> str:
+    rows = []
+    for key, processes in results["results"].items():
+        prompt, kernels = key.split("|")
+        firsts = [p["runs"][0]["ttft_s"] for p in processes]
+        later = [r["ttft_s"] for p in processes for r in p["runs"][1:]]
+        tokens = processes[0]["runs"][0]["prompt_tokens"]
+        prefill = [r["prompt_tokens"] / r["ttft_s"] for p in processes for r in p["runs"]]
+        decode = [r["decode_tokens_per_s"] for p in processes for r in p["runs"] if r["new_tokens"] > 1]
+        loads = [p["load_average"] for p in processes]
+        rows.append([prompt, kernels, tokens, _best_median(firsts), _best_median(later),
+                     f"{fmt(max(prefill), 1)} / {fmt(statistics.median(prefill), 1)}",
+                     f"{fmt(max(decode), 2)} / {fmt(statistics.median(decode), 2)}" if decode else "",
+                     fmt(min(p["rss_after_load_bytes"] for p in processes) / 1e9, 2),
+                     fmt(max(p["peak_rss_bytes"] for p in processes) / 1e9, 2),
+                     _best_median([p["load_s"] for p in processes], 1),
+                     f"{fmt(min(loads), 2)}-{fmt(max(loads), 2)}"])
+    return "\n".join([
+        *([results["note"], ""] if results.get("note") else []),
+        f"`{results['command']}` at {results['git']['commit'][:10]}: `{Path(results['package']).name}`, each "
+        f"(prompt, kernel) in a fresh process, {results['rounds']} rounds taking turns, {results['asks']} questions "
+        f"per process (each a new conversation), {results['new_tokens']} new tokens, greedy. library = the run time's "
+        "default (builder_plugin's MatMulNBits where this CPU has a fast path); onnxruntime = "
+        "BUILDER_PLUGIN_KERNELS=0. Times best / median; decode and prefill tokens/s best / median.", "",
+        markdown_table(["prompt", "kernel", "prompt tokens", "first token s, first question", "first token s, later",
+                        "prefill tok/s", "decode tok/s", "RSS after load GB", "peak RSS GB", "load s",
+                        "load average"], rows), "",
+        machine_markdown(results["machine"]), ""])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("package", nargs="?", type=Path)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--asks", type=int, default=2, help="questions per process (the first pays warm-up)")
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--prompts", type=lambda s: [p for p in s.split(",") if p], default=list(PROMPTS))
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "prompt.json")
+    parser.add_argument("--doc", default=str(BENCHMARKS_DOC), help="'' leaves the docs alone")
+    parser.add_argument("--note", default=None)
+    parser.add_argument("--from-json", type=Path)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        job = json.loads(args.worker)
+        print(json.dumps(worker(job["package"], job["prompt"], job["media"], job["asks"], job["new_tokens"])))
+        return 0
+    if not args.from_json and args.package is None:
+        parser.error("give the package folder (or --from-json)")
+    unknown = [p for p in args.prompts if p not in PROMPTS]
+    if unknown:
+        parser.error(f"unknown prompt(s) {', '.join(unknown)}; choose from {', '.join(PROMPTS)}")
+    return measure_or_replay(args, argv, "bench_prompt.py", HEADING, run, report)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

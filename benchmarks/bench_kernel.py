@@ -1,17 +1,20 @@
 """The project's MatMulNBits kernel (builder_plugin/kernels) against onnxruntime's own, alone, on the decoder's
 full-size shapes: a few rows (decode steps, several users, speculative tokens) against the memory-read bound, and many
-rows (a prompt) in GFLOP/s.
+rows (a prompt) in GFLOP/s, beside onnxruntime's int8 GEMM (DynamicQuantizeMatMul, int8 weights as constants), the
+throughput the CPU's int8 units give through onnxruntime.
 
     python -m benchmarks.bench_kernel [--layers 16] [--block-size 32] [--rows 1,2,4,8,512] [--duel 1] [--rounds 2]
     python -m benchmarks.bench_kernel --from-json benchmarks/results/kernel.json   # redo the report
 
 The graph of bench_matmulnbits.py (`--layers` layers of qkv, o, gate_up and down MatMulNBits, 4 bits, random weights,
-every node its own) with any number of input rows. Each (kernel, rows) setting loads it in a fresh process with the
-run time's session settings (the default threads, no spinning), onnxruntime's kernel or, registered on the session,
-the library's, and times `--steps` runs, with numpy read probes in the same process right before and after.
-`--duel` row counts are also timed with both kernels' sessions in one process taking turns (the fairest comparison
-when the machine's bandwidth moves). Reported: run time, the stored bytes per second and their share of the read
-bound (the best probe beside the run),
+every node its own) with any number of input rows; for rows from `--gemm-from-rows` on, also a graph of
+`--gemm-layers` layers of the same shapes as DynamicQuantizeMatMul (A quantized to uint8 with one scale for the whole
+tensor, int8 weights, MLAS's int8 GEMM: AMX where the CPU has it). Each (kernel, rows) setting loads it in a fresh
+process with the run time's session settings (the default threads, no spinning), onnxruntime's kernel or, registered
+on the session, the library's, and times `--steps` runs, with numpy read probes in the same process right before and
+after. `--duel` row counts are also timed with both kernels' sessions in one process taking turns (the fairest
+comparison when the machine's bandwidth moves). Reported: run time, the stored bytes per second and their share of the
+read bound (the best probe beside the run),
 GFLOP/s (2 x rows x K x N per node), and the anonymous memory the session holds after load (onnxruntime's kernel
 keeps a prepacked copy of the weights; the library reads them where the session loaded them).
 Results: benchmarks/results/kernel.json and the "MatMulNBits kernel of the library" section of docs/benchmarks.md.
@@ -47,6 +50,32 @@ from builder_plugin.testing.make_checkpoint import PRESETS
 
 HEADING = "## MatMulNBits kernel of the library"
 KERNELS = ("onnxruntime", "library")
+GEMM = "int8 GEMM"  # onnxruntime's DynamicQuantizeMatMul: the reference throughput of many rows
+
+
+def write_gemm_graph(path: Path, layers: int, seed: int = 0) -> None:
+    """`layers` layers of the decoder's MatMul shapes as DynamicQuantizeMatMul with int8 constant weights."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+    shapes = layer_shapes(PRESETS["full"]["text"])
+    nodes, initializers, outputs = [], [], []
+    for layer in range(layers):
+        for name, k, n in shapes:
+            prefix = f"layers.{layer}.{name}"
+            initializers += [numpy_helper.from_array(rng.integers(-127, 128, size=(k, n), dtype=np.int8),
+                                                     f"{prefix}.weight"),
+                             numpy_helper.from_array(np.full([n], 0.01, np.float32), f"{prefix}.scale")]
+            nodes.append(helper.make_node("DynamicQuantizeMatMul", [f"x{k}", f"{prefix}.weight", f"{prefix}.scale"],
+                                          [f"{prefix}.out"], domain="com.microsoft"))
+            outputs.append(helper.make_tensor_value_info(f"{prefix}.out", TensorProto.FLOAT, ["rows", n]))
+    inputs = [helper.make_tensor_value_info(f"x{k}", TensorProto.FLOAT, ["rows", k])
+              for k in sorted({k for _, k, _ in shapes})]
+    graph = helper.make_graph(nodes, "int8_gemm", inputs, outputs, initializer=initializers)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid("com.microsoft", 1)])
+    onnx.save(model, str(path), save_as_external_data=True, location=path.name + ".data")
 
 
 def duel(path: Path, threads: int, rows: int, rounds: int, steps: int = 3) -> dict[str, Any]:
@@ -98,21 +127,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if kernels.level() == "none":
         raise SystemExit("the library is not active on this machine (not built, or no AVX-512 VNNI)")
     threads = args.threads or default_threads()
-    todo = [(kernel, rows) for rows in args.rows for kernel in KERNELS]
+    todo = [(kernel, rows) for rows in args.rows
+            for kernel in (*KERNELS, *((GEMM,) if rows >= args.gemm_from_rows else ()))]
     runs: dict[str, list[dict[str, Any]]] = {_key(*s): [] for s in todo}
     with tempfile.TemporaryDirectory(prefix="kernel-", dir=args.work) as work:
-        path = Path(work) / "graph.onnx"
+        path, gemm_path = Path(work) / "graph.onnx", Path(work) / "gemm.onnx"
         stored = write_graph(path, args.layers, args.block_size, 4, rows="rows")
+        if any(kernel == GEMM for kernel, _ in todo):
+            write_gemm_graph(gemm_path, args.gemm_layers)
         duels = [_duel_child(path, threads, rows, args.duel_rounds) for rows in args.duel]
         for round_index in range(args.rounds):
             for kernel, rows in todo if round_index % 2 == 0 else todo[::-1]:
                 steps = args.steps if rows <= 64 else max(2, args.steps // 4)
-                found = _child(path, kernel, rows, threads, steps)
+                found = _child(gemm_path if kernel == GEMM else path, kernel, rows, threads, steps)
                 runs[_key(kernel, rows)].append(found)
                 print(f"{_key(kernel, rows)}: {min(found['step_s']) * 1e3:.1f} ms, "
                       f"{stored / min(found['step_s']) / 1e9:.1f} GB/s (probes {found['probes_gb_s']})", flush=True)
     shapes = layer_shapes(PRESETS["full"]["text"])
-    return {"layers": args.layers, "block_size": args.block_size, "threads": threads, "rows": args.rows,
+    return {"layers": args.layers, "gemm_layers": args.gemm_layers, "library_paths": kernels.paths(),
+            "block_size": args.block_size, "threads": threads, "rows": args.rows,
             "rounds": args.rounds, "steps": args.steps, "shapes": shapes, "stored_bytes": stored,
             "flops_per_row": 2 * args.layers * sum(k * n for _, k, n in shapes), "library_level": kernels.level(),
             "runs": runs, "duels": duels}
@@ -123,21 +156,35 @@ def report(results: dict[str, Any]) -> str:
     stored = results["stored_bytes"]
     one_row = {kernel: statistics.median([s for run in results["runs"].get(_key(kernel, 1), []) for s in run["step_s"]]
                                          or [float("nan")]) for kernel in KERNELS}
+    shares_of_gemm = []
     for rows in results["rows"]:
-        for kernel in KERNELS:
-            found = results["runs"][_key(kernel, rows)]
+        gflops = {}
+        for kernel in (*KERNELS, GEMM):
+            found = results["runs"].get(_key(kernel, rows))
+            if not found:
+                continue
             steps = [s for run in found for s in run["step_s"]]
-            shares = [stored / statistics.median(run["step_s"]) / max(run["probes_gb_s"]) / 1e9 for run in found]
-            probes = [p for run in found for p in run["probes_gb_s"]]
             held = max(run["session_anon_bytes"] for run in found)
-            flops = results["flops_per_row"] * rows
-            rows_out.append([kernel, rows, f"{fmt(min(steps) * 1e3, 1)} / {fmt(statistics.median(steps) * 1e3, 1)}",
-                             f"{fmt(statistics.median(steps) / one_row[kernel], 2)}x",
-                             f"{fmt(stored / min(steps) / 1e9, 1)} / {fmt(stored / statistics.median(steps) / 1e9, 1)}",
-                             f"{fmt(statistics.median(probes), 1)} ({fmt(min(probes), 1)}-{fmt(max(probes), 1)})",
-                             f"{fmt(100 * statistics.median(shares), 0)} %",
+            layers = results["gemm_layers"] if kernel == GEMM else results["layers"]
+            flops = results["flops_per_row"] * rows * layers / results["layers"]
+            gflops[kernel] = flops / statistics.median(steps) / 1e9
+            timing = [f"{fmt(min(steps) * 1e3, 1)} / {fmt(statistics.median(steps) * 1e3, 1)}"]
+            probes = [p for run in found for p in run["probes_gb_s"]]
+            probe_text = f"{fmt(statistics.median(probes), 1)} ({fmt(min(probes), 1)}-{fmt(max(probes), 1)})"
+            if kernel == GEMM:  # its own graph (int8 weights, `gemm_layers` layers): no read-bound columns
+                bytes_columns = ["", "", probe_text, "", f"{fmt(held / 1e9, 2)}"]
+            else:
+                shares = [stored / statistics.median(run["step_s"]) / max(run["probes_gb_s"]) / 1e9 for run in found]
+                rate = f"{fmt(stored / min(steps) / 1e9, 1)} / {fmt(stored / statistics.median(steps) / 1e9, 1)}"
+                bytes_columns = [f"{fmt(statistics.median(steps) / one_row[kernel], 2)}x", rate,
+                                 probe_text, f"{fmt(100 * statistics.median(shares), 0)} %",
+                                 f"{fmt(held / 1e9, 2)} ({fmt(held / stored, 2)}x)"]
+            rows_out.append([kernel, rows, *timing, *bytes_columns[:4],
                              f"{fmt(flops / min(steps) / 1e9, 0)} / {fmt(flops / statistics.median(steps) / 1e9, 0)}",
-                             f"{fmt(held / 1e9, 2)} ({fmt(held / stored, 2)}x)"])
+                             bytes_columns[4]])
+        if GEMM in gflops:
+            shares_of_gemm.append(f"{rows} rows: library {fmt(100 * gflops['library'] / gflops[GEMM], 0)} %, "
+                                  f"onnxruntime's MatMulNBits {fmt(100 * gflops['onnxruntime'] / gflops[GEMM], 0)} %")
     duel_rows = []
     for found in results.get("duels", []):
         best_probe = max(found["probes_gb_s"])
@@ -158,13 +205,18 @@ def report(results: dict[str, Any]) -> str:
         *([results["note"], ""] if results.get("note") else []),
         f"`{results['command']}` at {results['git']['commit'][:10]}: {results['layers']} layers of MatMulNBits "
         f"({shapes}; 4 bits, block {results['block_size']}, accuracy_level 4, random weights, every node its own), "
-        f"{results['threads']} threads, the library at level `{results['library_level']}`; each setting in a fresh "
+        f"{results['threads']} threads, the library at level `{results['library_level']}`"
+        + (f" (paths: {results['library_paths']})" if results.get("library_paths") else "")
+        + (f"; {GEMM} = DynamicQuantizeMatMul on {results['gemm_layers']} layers of the same shapes (int8 weights)"
+           if results.get("gemm_layers") else "") + "; each setting in a fresh "
         f"process, {results['rounds']} rounds alternating. Share = stored bytes / median run / the best read probe "
         "beside it; held = the session's anonymous memory after load (the library reads the weights where onnxruntime "
         "loaded them: memory-mapped from the data file, counted as file-backed).", "",
         markdown_table(["kernel", "rows", "run ms best / median", "median / its 1-row median",
                         "stored GB/s best / median", "read probes GB/s median (range)",
                         "share of the read bound (median)", "GFLOP/s best / median", "held GB"], rows_out), "",
+        *([f"Median GFLOP/s as a share of {GEMM}'s in the same run: " + "; ".join(shares_of_gemm) + ".", ""]
+          if shares_of_gemm else []),
         *duel_part, machine_markdown(results["machine"]), ""])
 
 
@@ -179,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duel", type=lambda s: [int(v) for v in s.split(",") if v], default=[1],
                         help="row counts to also time with both kernels in one process, taking turns ('' = none)")
     parser.add_argument("--duel-rounds", type=int, default=8)
+    parser.add_argument("--gemm-layers", type=int, default=2, help=f"layers of the {GEMM} graph (int8 weights)")
+    parser.add_argument("--gemm-from-rows", type=int, default=16, help=f"row counts from which {GEMM} is timed too")
     parser.add_argument("--work", default=None, help="folder for the graph (default: the system's temporary one)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kernel.json")
     parser.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"), help="'' leaves the docs alone")

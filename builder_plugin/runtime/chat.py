@@ -10,7 +10,9 @@ KV cache, the LongRoPE recompute, one step per token).
   prompt's ids followed by the generated ids: answers are never re-tokenised). ``restore`` of the first turns of the
   kept conversation keeps it: the next question (an edited later one, or the next one asked again) rewinds it to the
   ids they share. A question with new media, other sampling options, a guided answer, or a conversation changed
-  otherwise starts a new decoding over the whole conversation, as the runtime requires for new media.
+  otherwise starts a new decoding over the whole conversation, as the runtime requires for new media; so does a
+  seeded answer (``Sampling.seed``), over the kept ids, so that a seed gives the same answer however the
+  conversation got there.
 - Decodings are sized to the conversation plus ``follow_up_room`` tokens, not to ``max_length``; a follow-up that
   does not fit, or that would take a short-factor cache past the LongRoPE switch, restarts from the same ids.
 - Media: every image and clip is decoded first by Pillow / libsndfile in a separate process, with limits and a time
@@ -395,9 +397,12 @@ class Chat:
         if switch is not None and decoding.long_factors and total <= switch:
             return None  # rewound below the switch: its keys have the long factors, a fresh prompt the short ones
         crosses = switch is not None and not decoding.long_factors and total > switch
-        if total + max_new_tokens <= decoding.max_length and not crosses and guidance is None and not decoding.guided:
+        if total + max_new_tokens <= decoding.max_length and not crosses and guidance is None and \
+                not decoding.guided and not sampling.seeded:
             return _Plan(loaded, total, decoding.max_length, append=new, keep=reuse.keep)
-        # Restart over the same ids: more room, or a prompt past the LongRoPE switch (all keys with long factors).
+        # Restart over the same ids: more room, a prompt past the LongRoPE switch (all keys with long factors), or a
+        # seeded answer (the generator's random stream is seeded when it is made and cannot be reseeded: a kept one
+        # has drawn for the answers before, so the same seed would not give the answer a fresh conversation gets).
         return self._fresh(loaded, _with_ids(decoding.inputs, ids[:reuse.keep] + new), total, max_new_tokens,
                            self.follow_up_room)
 

@@ -259,17 +259,18 @@ class Worker:
         """The end of an answer: what the scanners held back, the tool calls found, and the Finished event."""
         job, tools, calls = run.job, run.job.request.tools, run.calls
         run.answer.close()  # stops generation; the answer so far is recorded in the conversation
+        stats = run.answer.stats
+        cut = reason == "length" or (reason is None and not stopped and stats.finish_reason == "length")
         tail = "" if stopped else run.stops.flush()
         found: list[dict] = []
         if calls is not None and tools is not None:
             tail = calls.feed(tail)
-            more, found = calls.finish(tools.names(), tools.single_call)
+            more, found = calls.finish(tools.names(), tools.single_call, cut)
             tail += more
         if tail:
             job.emit(Piece(tail))
         if found:
             job.emit(ToolCalls(found))
-        stats = run.answer.stats
         reason = reason or ("tool_calls" if found else "stop" if stopped else stats.finish_reason)
         job.emit(Finished(reason, stats.prompt_tokens, stats.new_tokens))
 

@@ -31,6 +31,7 @@ from builder_plugin.serve.metrics import CountChatResponses, Metrics
 from builder_plugin.serve.page import ChatPage
 from builder_plugin.serve.pool import ConversationPool, available_memory, default_kv_budget
 from builder_plugin.serve.protocol import ChatRequest, Reply, parse_messages, parse_request, usage
+from builder_plugin.serve.requestlog import AnswerRecord, RequestLog, answer_record
 from builder_plugin.serve.tools import stream_deltas
 from builder_plugin.serve.worker import Event, Failed, Finished, Job, Piece, Started, ToolCalls, Worker
 
@@ -47,13 +48,15 @@ class Server:
     """The routes and the state they share: the opened package, its conversations in the pool behind one Worker, the
     media cache and the limits. `kv_budget_bytes` None: the pool's default (pool.default_kv_budget); `ui`: serve the
     chat page; `allowed_origins`: the browser origins that may call the server (none: CORS is off; `*`: any);
-    `new_chat` makes the pool's Chats (a test may hold them)."""
+    `log_requests`: a log line per request (requestlog.py); `new_chat` makes the pool's Chats (a test may hold
+    them)."""
 
     def __init__(self, package: Package, media_cache: MediaCache, *, model_id: str | None = None,
                  max_queue: int = defaults.MAX_QUEUE, max_body_bytes: int = 32 * MB, allow_local_files: bool = False,
                  max_tokens: int | None = None, max_conversations: int = defaults.MAX_CONVERSATIONS,
                  kv_budget_bytes: int | None = None, api_keys: Sequence[str] = (), ui: bool = True,
-                 allowed_origins: Sequence[str] = (), new_chat: Callable[[Package], Chat] = Chat) -> None:
+                 allowed_origins: Sequence[str] = (), log_requests: bool = False,
+                 new_chat: Callable[[Package], Chat] = Chat) -> None:
         self.package = package
         self.model_id = model_id or package.dir.resolve().name
         self.media_cache = media_cache
@@ -66,6 +69,7 @@ class Server:
         self.api_keys = check_keys(api_keys)  # none: every request is accepted
         self.page = ChatPage() if ui else None
         self.allowed_origins = check_origins(allowed_origins)
+        self.log_requests = log_requests
         self.metrics = Metrics(queue_depth=lambda: self.worker.waiting, active_requests=lambda: self.worker.answering,
                                live_conversations=lambda: self.pool.live_conversations,
                                kv_bytes=lambda: self.pool.kv_bytes,
@@ -92,8 +96,11 @@ class Server:
         ]
         handlers = {HTTPException: _http_error, ApiError: _api_error, ClientGone: _client_gone,
                     Exception: _unexpected_error}
-        # outermost: CORS answers preflights (never counted nor asked for a key) and adds its headers to every answer
-        middleware = [cors_middleware(self.allowed_origins)] if self.allowed_origins else []
+        # outermost: the request log (it sees every status sent), then CORS, which answers preflights (never counted
+        # nor asked for a key) and adds its headers to every answer
+        middleware = [Middleware(RequestLog)] if self.log_requests else []
+        if self.allowed_origins:
+            middleware.append(cors_middleware(self.allowed_origins))
         middleware.append(Middleware(CountChatResponses, metrics=self.metrics))  # it also counts the 401s
         if self.api_keys:
             open_paths = OPEN | (self.page.open_paths if self.page is not None else frozenset())
@@ -130,7 +137,7 @@ class Server:
             raise _unknown_model(parsed.model)
         media = MediaReader(self.media_cache, self.allow_local_files)
         reply = Reply.new(self.model_id)
-        job, events = await self._submit(parsed, media, received)
+        job, events = await self._submit(parsed, media, received, answer_record(request.scope))
         if parsed.stream:
             first = await _until_disconnect(request, job, events.get())
             if isinstance(first, Failed):
@@ -143,8 +150,8 @@ class Server:
                                              usage(finished.prompt_tokens, finished.completion_tokens),
                                              answer.calls, answer.logprobs if parsed.logprobs is not None else None))
 
-    async def _submit(self, parsed: ChatRequest, media: MediaReader,
-                      received: float) -> tuple[Job, asyncio.Queue[Event]]:
+    async def _submit(self, parsed: ChatRequest, media: MediaReader, received: float,
+                      record: AnswerRecord | None) -> tuple[Job, asyncio.Queue[Event]]:
         """Parse the messages (decoding their media) and queue the job; raises ApiError (400, 429).
         `received`: the perf_counter time the request arrived (of the time-to-first-token metric)."""
         if parsed.tools is not None and not await run_in_threadpool(self._has_tool_tokens):
@@ -155,7 +162,8 @@ class Server:
             raise ApiError("this model has no speech encoder, so it cannot take audio", param="messages",
                            code="audio_not_supported")
         events: asyncio.Queue[Event] = asyncio.Queue()
-        job = Job(parsed, exchange, _recording(self.metrics, received, _emitter(asyncio.get_running_loop(), events)),
+        emit = _recording(self.metrics, received, _emitter(asyncio.get_running_loop(), events), record)
+        job = Job(parsed, exchange, emit,
                   max_new_tokens=parsed.max_new_tokens or self.max_tokens)
         self.worker.submit(job)
         return job, events
@@ -192,9 +200,11 @@ def _emitter(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[Event]):
     return emit
 
 
-def _recording(metrics: Metrics, received: float, emit: Callable[[Event], None]) -> Callable[[Event], None]:
-    """`emit`, recording in `metrics` the answer's time to its first piece, and when it finishes its tokens and its
-    time per token after the first (called on the worker thread, as the events are made)."""
+def _recording(metrics: Metrics, received: float, emit: Callable[[Event], None],
+               record: AnswerRecord | None) -> Callable[[Event], None]:
+    """`emit`, recording in `metrics` (and in the request log's `record`, when requests are logged) the answer's time
+    to its first piece, and when it finishes its tokens and its time per token after the first (called on the worker
+    thread, as the events are made)."""
     first_piece: float | None = None
 
     def recording_emit(event: Event) -> None:
@@ -204,10 +214,15 @@ def _recording(metrics: Metrics, received: float, emit: Callable[[Event], None])
             metrics.first_token(first_piece - received)
         elif isinstance(event, Finished):
             metrics.tokens(event.prompt_tokens, event.completion_tokens)
+            mean = None
             if first_piece is not None and event.completion_tokens > 1:
                 mean = (time.perf_counter() - first_piece) / (event.completion_tokens - 1)
                 for _ in range(event.completion_tokens - 1):
                     metrics.token_interval(mean)
+            if record is not None:
+                record.prompt_tokens, record.completion_tokens = event.prompt_tokens, event.completion_tokens
+                record.first_token_s = first_piece - received if first_piece is not None else None
+                record.tokens_per_s = 1 / mean if mean else None
         emit(event)
 
     return recording_emit

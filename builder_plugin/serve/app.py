@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from starlette.applications import Starlette
@@ -26,14 +24,22 @@ from builder_plugin.serve import defaults
 from builder_plugin.serve.auth import OPEN, BearerAuth, check_keys
 from builder_plugin.serve.cors import check_origins, cors_middleware
 from builder_plugin.serve.errors import ApiError
+from builder_plugin.serve.events import Collected, Event, Failed, Finished, Piece, Started, ToolCalls
 from builder_plugin.serve.media import MediaCache, MediaReader
 from builder_plugin.serve.metrics import CountChatResponses, Metrics
 from builder_plugin.serve.page import ChatPage
 from builder_plugin.serve.pool import ConversationPool, available_memory, default_kv_budget
-from builder_plugin.serve.protocol import ChatRequest, Reply, parse_messages, parse_request, usage
+from builder_plugin.serve.protocol import (
+    ChatRequest,
+    ChatWriter,
+    Exchange,
+    Prompt,
+    Writer,
+    parse_messages,
+    parse_request,
+)
 from builder_plugin.serve.requestlog import AnswerRecord, RequestLog, answer_record
-from builder_plugin.serve.tools import stream_deltas
-from builder_plugin.serve.worker import Event, Failed, Finished, Job, Piece, Started, ToolCalls, Worker
+from builder_plugin.serve.worker import Job, Worker
 
 log = logging.getLogger("builder_plugin.serve")
 
@@ -133,40 +139,45 @@ class Server:
     async def chat_completions(self, request: Request) -> Response:
         received = time.perf_counter()
         parsed = parse_request(await self._read_body(request))
-        if parsed.model is not None and parsed.model != self.model_id:
-            raise _unknown_model(parsed.model)
+        self._check_model(parsed.model)
+        exchange = await self._exchange(parsed, parsed.messages)
+        return await self._answer(request, parsed, exchange, received, ChatWriter(self.model_id, parsed))
+
+    async def _exchange(self, parsed: ChatRequest, messages: Sequence[dict[str, Any]],
+                        where: Sequence[str] | None = None) -> Exchange:
+        """The conversation of `messages` (media decoded off the event loop); raises ApiError (400)."""
+        if parsed.tools is not None and not await run_in_threadpool(self._has_tool_tokens):
+            raise ApiError(f"tools: this model's tokenizer has no tool-call tokens ({TOOL_CALL_OPEN}, "
+                           f"{TOOL_CALL_CLOSE}), so it cannot call tools", param="tools", code="tools_not_supported")
         media = MediaReader(self.media_cache, self.allow_local_files)
-        reply = Reply.new(self.model_id)
-        job, events = await self._submit(parsed, media, received, answer_record(request.scope))
+        exchange = await run_in_threadpool(parse_messages, messages, media, where, parsed.prompt_field)
+        if exchange.has_audio and not self.package.has_speech:
+            raise ApiError("this model has no speech encoder, so it cannot take audio", param=parsed.prompt_field,
+                           code="audio_not_supported")
+        return exchange
+
+    async def _answer(self, request: Request, parsed: ChatRequest, exchange: Exchange | Prompt, received: float,
+                      writer: Writer) -> Response:
+        """Queue the answer and give it in the writer's form, as one JSON body or as server-sent events; raises
+        ApiError (429, 503, or the answer's own error when it fails before it starts).
+        `received`: the perf_counter time the request arrived (of the time-to-first-token metric)."""
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        emit = _recording(self.metrics, received, _emitter(asyncio.get_running_loop(), events),
+                          answer_record(request.scope))
+        job = Job(parsed, exchange, emit, max_new_tokens=parsed.max_new_tokens or self.max_tokens)
+        self.worker.submit(job)
         if parsed.stream:
             first = await _until_disconnect(request, job, events.get())
             if isinstance(first, Failed):
                 raise first.error
-            return StreamingResponse(_stream(job, events, reply, parsed.include_usage),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(_stream(job, events, writer), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
         answer = await _until_disconnect(request, job, _collect(events))
-        finished = answer.finished
-        return JSONResponse(reply.completion(answer.text or (None if answer.calls else ""), finished.finish_reason,
-                                             usage(finished.prompt_tokens, finished.completion_tokens),
-                                             answer.calls, answer.logprobs if parsed.logprobs is not None else None))
+        return JSONResponse(writer.body(answer))
 
-    async def _submit(self, parsed: ChatRequest, media: MediaReader, received: float,
-                      record: AnswerRecord | None) -> tuple[Job, asyncio.Queue[Event]]:
-        """Parse the messages (decoding their media) and queue the job; raises ApiError (400, 429).
-        `received`: the perf_counter time the request arrived (of the time-to-first-token metric)."""
-        if parsed.tools is not None and not await run_in_threadpool(self._has_tool_tokens):
-            raise ApiError(f"tools: this model's tokenizer has no tool-call tokens ({TOOL_CALL_OPEN}, "
-                           f"{TOOL_CALL_CLOSE}), so it cannot call tools", param="tools", code="tools_not_supported")
-        exchange = await run_in_threadpool(parse_messages, parsed.messages, media)
-        if exchange.has_audio and not self.package.has_speech:
-            raise ApiError("this model has no speech encoder, so it cannot take audio", param="messages",
-                           code="audio_not_supported")
-        events: asyncio.Queue[Event] = asyncio.Queue()
-        emit = _recording(self.metrics, received, _emitter(asyncio.get_running_loop(), events), record)
-        job = Job(parsed, exchange, emit,
-                  max_new_tokens=parsed.max_new_tokens or self.max_tokens)
-        self.worker.submit(job)
-        return job, events
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_id:
+            raise _unknown_model(model)
 
     # ---- helpers -------------------------------------------------------------------------------------------------
 
@@ -228,15 +239,7 @@ def _recording(metrics: Metrics, received: float, emit: Callable[[Event], None],
     return recording_emit
 
 
-@dataclass
-class _Answer:
-    text: str
-    finished: Finished
-    calls: list[dict[str, Any]]
-    logprobs: list[TokenLogprob]
-
-
-async def _collect(events: asyncio.Queue[Event]) -> _Answer:
+async def _collect(events: asyncio.Queue[Event]) -> Collected:
     pieces: list[str] = []
     calls: list[dict[str, Any]] = []
     logprobs: list[TokenLogprob] = []
@@ -248,7 +251,7 @@ async def _collect(events: asyncio.Queue[Event]) -> _Answer:
         elif isinstance(event, ToolCalls):
             calls.extend(event.calls)
         elif isinstance(event, Finished):
-            return _Answer("".join(pieces), event, calls, logprobs)
+            return Collected("".join(pieces), event, calls, logprobs)
         elif isinstance(event, Failed):
             raise event.error
 
@@ -274,36 +277,34 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _stream(job: Job, events: asyncio.Queue[Event], reply: Reply, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events: a role chunk, content chunks, a finish chunk, a usage chunk when asked, then [DONE].
-    Starlette cancels this when the client disconnects; the job is then cancelled too."""
-    logprobs = job.request.logprobs is not None
+async def _stream(job: Job, events: asyncio.Queue[Event], writer: Writer) -> AsyncIterator[str]:
+    """The answer's server-sent events in the writer's form. Starlette cancels this when the client disconnects; the
+    job is then cancelled too."""
     try:
-        yield _sse(reply.chunk({"role": "assistant", "content": ""}))
+        for text in writer.opening():
+            yield text
         while True:
             event = await events.get()
             if isinstance(event, Piece):
-                yield _sse(reply.chunk({"content": event.text}, logprobs=list(event.logprobs) if logprobs else None))
+                out = writer.piece(event)
             elif isinstance(event, ToolCalls):
-                for delta in stream_deltas(event.calls):
-                    yield _sse(reply.chunk(delta))
+                out = writer.calls(event)
             elif isinstance(event, Finished):
-                yield _sse(reply.chunk({}, event.finish_reason))
-                if include_usage:
-                    yield _sse(reply.usage_chunk(usage(event.prompt_tokens, event.completion_tokens)))
-                break
+                out = writer.finished(event)
             elif isinstance(event, Failed):
-                yield _sse(event.error.body())
-                break
-            elif not isinstance(event, Started):
+                out = writer.failed(event.error)
+            elif isinstance(event, Started):
+                continue
+            else:
                 raise TypeError(f"unexpected event {event!r}")
-        yield "data: [DONE]\n\n"
+            for text in out:
+                yield text
+            if isinstance(event, Finished | Failed):
+                break
+        for text in writer.closing():
+            yield text
     finally:
         job.cancel()
-
-
-def _sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
 def _unknown_model(model: str) -> ApiError:

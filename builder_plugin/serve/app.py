@@ -1,6 +1,7 @@
-"""The ASGI app: /v1/chat/completions (JSON or server-sent events), /v1/models, /health, /metrics and the chat page
-(/), in front of one Worker that answers in the kept conversations of a ConversationPool; with API keys, every route
-but /health and the page needs one; with allowed origins, browsers on them may call it (CORS)."""
+"""The ASGI app: /v1/chat/completions, /v1/responses and /v1/completions (JSON or server-sent events), /v1/models,
+/health, /metrics and the chat page (/), in front of one Worker that answers in the kept conversations of a
+ConversationPool; with API keys, every route but /health and the page needs one; with allowed origins, browsers on
+them may call it (CORS)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from starlette.routing import Route
 from builder_plugin.runtime import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Chat, Package, TokenLogprob
 from builder_plugin.serve import defaults
 from builder_plugin.serve.auth import OPEN, BearerAuth, check_keys
+from builder_plugin.serve.completions import CompletionWriter, parse_completion
 from builder_plugin.serve.cors import check_origins, cors_middleware
 from builder_plugin.serve.errors import ApiError
 from builder_plugin.serve.events import Collected, Event, Failed, Finished, Piece, Started, ToolCalls
@@ -94,6 +96,7 @@ class Server:
 
         routes = [
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
@@ -142,6 +145,13 @@ class Server:
         self._check_model(parsed.model)
         exchange = await self._exchange(parsed, parsed.messages)
         return await self._answer(request, parsed, exchange, received, ChatWriter(self.model_id, parsed))
+
+    async def completions(self, request: Request) -> Response:
+        received = time.perf_counter()
+        parsed = parse_completion(await self._read_body(request))
+        self._check_model(parsed.request.model)
+        return await self._answer(request, parsed.request, parsed.prompt, received,
+                                  CompletionWriter(self.model_id, parsed))
 
     async def _exchange(self, parsed: ChatRequest, messages: Sequence[dict[str, Any]],
                         where: Sequence[str] | None = None) -> Exchange:

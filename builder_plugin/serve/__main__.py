@@ -1,4 +1,5 @@
-"""python -m builder_plugin.serve PACKAGE: serve a built package over the OpenAI chat-completions API."""
+"""python -m builder_plugin.serve PACKAGE: serve a built package over the OpenAI API (chat completions, responses,
+completions)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ LIMITS = MediaLimits()
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m builder_plugin.serve",
-                                description="Serve a Phi-4-multimodal package over the OpenAI chat-completions API.")
+                                description="Serve a Phi-4-multimodal package over the OpenAI API (chat "
+                                "completions, responses, completions).")
     p.add_argument("--version", action="version", version=f"builder_plugin {__version__}")
     p.add_argument("package", help="folder of the built package (with genai_config.json)")
     p.add_argument("--served-model-name", metavar="NAME", default=None,
@@ -44,6 +46,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, SIGINT or SIGHUP: how long answers in progress may go on before they end "
                    "with finish_reason \"length\"; meanwhile the server keeps listening and answers new requests and "
                    "GET /health with 503, then closes (default: %(default)s)")
+    p.add_argument("--stored-responses", type=int, default=defaults.STORED_RESPONSES, metavar="N",
+                   help="/v1/responses kept in memory (the last N with store true) for previous_response_id and GET "
+                   "/v1/responses/ID; 0 keeps none (default: %(default)s)")
     p.add_argument("--max-body-mb", type=float, default=32, metavar="N",
                    help="largest request body in MB; larger ones get 413 (default: %(default)s)")
     p.add_argument("--allow-local-files", action="store_true",
@@ -120,6 +125,8 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError("--max-image-megapixels, --max-audio-seconds and --media-timeout must be positive")
     if args.max_tokens < 1:
         raise ValueError("--max-tokens must be at least 1")
+    if args.stored_responses < 0:
+        raise ValueError("--stored-responses must not be negative")
     if args.max_conversations < 1:
         raise ValueError("--max-conversations must be at least 1")
     if args.kv_budget_gb is not None and args.kv_budget_gb <= 0:
@@ -146,7 +153,8 @@ def serve(args: argparse.Namespace) -> int:
                             max_body_bytes=int(args.max_body_mb * MB), allow_local_files=args.allow_local_files,
                             max_tokens=args.max_tokens,
                             max_conversations=args.max_conversations, kv_budget_bytes=budget, api_keys=api_keys,
-                            ui=args.ui, allowed_origins=origins, log_requests=args.verbose)
+                            ui=args.ui, allowed_origins=origins, log_requests=args.verbose,
+                            stored_responses=args.stored_responses)
             # -v: the request log's lines replace uvicorn's access log
             server = StoppableServer(uvicorn.Config(routes.app(), log_level="debug" if args.verbose else "info",
                                                     access_log=not args.verbose,

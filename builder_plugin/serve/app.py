@@ -41,6 +41,7 @@ from builder_plugin.serve.protocol import (
     parse_request,
 )
 from builder_plugin.serve.requestlog import AnswerRecord, RequestLog, answer_record
+from builder_plugin.serve.responses import ResponseStore, ResponsesWriter, not_found, parse_responses
 from builder_plugin.serve.worker import Job, Worker
 
 log = logging.getLogger("builder_plugin.serve")
@@ -64,6 +65,7 @@ class Server:
                  max_tokens: int | None = None, max_conversations: int = defaults.MAX_CONVERSATIONS,
                  kv_budget_bytes: int | None = None, api_keys: Sequence[str] = (), ui: bool = True,
                  allowed_origins: Sequence[str] = (), log_requests: bool = False,
+                 stored_responses: int = defaults.STORED_RESPONSES,
                  new_chat: Callable[[Package], Chat] = Chat) -> None:
         self.package = package
         self.model_id = model_id or package.dir.resolve().name
@@ -78,6 +80,7 @@ class Server:
         self.page = ChatPage() if ui else None
         self.allowed_origins = check_origins(allowed_origins)
         self.log_requests = log_requests
+        self.stored = ResponseStore(stored_responses)  # /v1/responses kept for previous_response_id
         self.metrics = Metrics(queue_depth=lambda: self.worker.waiting, active_requests=lambda: self.worker.answering,
                                live_conversations=lambda: self.pool.live_conversations,
                                kv_bytes=lambda: self.pool.kv_bytes,
@@ -97,6 +100,8 @@ class Server:
         routes = [
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/responses", self.responses, methods=["POST"]),
+            Route("/v1/responses/{response_id}", self.response, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
@@ -152,6 +157,20 @@ class Server:
         self._check_model(parsed.request.model)
         return await self._answer(request, parsed.request, parsed.prompt, received,
                                   CompletionWriter(self.model_id, parsed))
+
+    async def responses(self, request: Request) -> Response:
+        received = time.perf_counter()
+        parsed = parse_responses(await self._read_body(request), self.stored)
+        self._check_model(parsed.request.model)
+        exchange = await self._exchange(parsed.request, parsed.request.messages, parsed.where)
+        return await self._answer(request, parsed.request, exchange, received,
+                                  ResponsesWriter(self.model_id, parsed, self.stored))
+
+    async def response(self, request: Request) -> Response:
+        stored = self.stored.get(request.path_params["response_id"])
+        if stored is None:
+            raise not_found(request.path_params["response_id"])
+        return JSONResponse(stored.body)
 
     async def _exchange(self, parsed: ChatRequest, messages: Sequence[dict[str, Any]],
                         where: Sequence[str] | None = None) -> Exchange:

@@ -8,40 +8,30 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from builder_plugin.runtime import MAX_TOP_LOGPROBS, Sampling, TokenLogprob
+from builder_plugin.runtime import MAX_TOP_LOGPROBS, TokenLogprob
 from builder_plugin.serve.errors import ApiError
 from builder_plugin.serve.events import Collected, Finished, Piece, sse
 from builder_plugin.serve.fields import COMPLETIONS
 from builder_plugin.serve.protocol import (
     ChatRequest,
     Prompt,
+    RequestFields,
     StreamOptions,
     Writer,
-    json_object,
+    read_request,
     stop_strings,
     usage,
-    validated,
 )
 
 DEFAULT_MAX_TOKENS = 16  # the OpenAI API's (and vLLM's) for a completion without max_tokens
 
 
-class CompletionRequestFields(BaseModel):
-    """The fields this server reads, as sent (COMPLETIONS.check has refused the ones it cannot honour)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
+class CompletionRequestFields(RequestFields):
     prompt: str | list[Any]
-    stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(DEFAULT_MAX_TOKENS, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=1)
-    seed: int | None = None
     stop: str | list[str] | None = None
     n: int = 1
     echo: bool = False
@@ -57,11 +47,7 @@ class CompletionRequest:
 
 def parse_completion(body: bytes) -> CompletionRequest:
     """The request in `body`; raises ApiError (400) naming the first problem."""
-    data = json_object(body)
-    COMPLETIONS.check(data)
-    fields = validated(CompletionRequestFields, data)
-    if fields.n != 1:
-        raise ApiError("n: only one choice per request is supported (n=1)", param="n")
+    fields = read_request(body, COMPLETIONS, CompletionRequestFields)
     prompt = fields.prompt
     if isinstance(prompt, list):
         if len(prompt) != 1 or not isinstance(prompt[0], str):
@@ -77,7 +63,7 @@ def parse_completion(body: bytes) -> CompletionRequest:
         model=fields.model, messages=(), stream=fields.stream,
         include_usage=fields.stream_options is not None and fields.stream_options.include_usage,
         max_new_tokens=fields.max_tokens,
-        sampling=Sampling(fields.temperature, fields.top_p, fields.top_k, fields.seed), stops=stop_strings(fields.stop),
+        sampling=fields.sampling, stops=stop_strings(fields.stop),
         tools=None, guidance=None, logprobs=fields.logprobs, prompt_field="prompt")
     return CompletionRequest(request, Prompt(prompt), fields.echo)
 

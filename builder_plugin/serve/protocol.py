@@ -27,7 +27,7 @@ from builder_plugin.runtime import (
 from builder_plugin.runtime.prompt import tagged
 from builder_plugin.serve.errors import ApiError
 from builder_plugin.serve.events import Collected, Finished, Piece, ToolCalls, sse
-from builder_plugin.serve.fields import CHAT
+from builder_plugin.serve.fields import CHAT, Fields
 from builder_plugin.serve.media import MediaReader
 from builder_plugin.serve.structured import response_guidance
 from builder_plugin.serve.tools import Tools, call_block, parse_tools, stream_deltas
@@ -44,22 +44,29 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool = False  # padding against side channels; a local server sends none
 
 
-class ChatCompletionRequest(BaseModel):
-    """The fields this server reads, as sent (fields.check_fields has refused the ones it cannot honour; the
-    informational ones are left out here)."""
+class RequestFields(BaseModel):
+    """The fields every endpoint reads alike, as sent (the endpoint's field table has refused the ones it cannot
+    honour; the informational ones are left out of its request model)."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    messages: list[dict[str, Any]] = Field(min_length=1)
     stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=1)
     seed: int | None = None
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.temperature, self.top_p, self.top_k, self.seed)
+
+
+class ChatCompletionRequest(RequestFields):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
     n: int = 1
     tools: list[Any] | None = None
@@ -96,11 +103,7 @@ class ChatRequest:
 
 def parse_request(body: bytes) -> ChatRequest:
     """The request in `body`; raises ApiError (400) naming the first problem."""
-    data = json_object(body)
-    CHAT.check(data)
-    fields = validated(ChatCompletionRequest, data)
-    if fields.n != 1:
-        raise ApiError("n: only one choice per request is supported (n=1)", param="n")
+    fields = read_request(body, CHAT, ChatCompletionRequest)
     if fields.top_logprobs is not None and not fields.logprobs:
         raise ApiError("top_logprobs: needs logprobs: true", param="top_logprobs")
     tools = parse_tools(fields.tools, fields.tool_choice, fields.parallel_tool_calls)
@@ -112,9 +115,20 @@ def parse_request(body: bytes) -> ChatRequest:
         model=fields.model, messages=tuple(fields.messages), stream=fields.stream,
         include_usage=fields.stream_options is not None and fields.stream_options.include_usage,
         max_new_tokens=fields.max_completion_tokens or fields.max_tokens,
-        sampling=Sampling(fields.temperature, fields.top_p, fields.top_k, fields.seed), stops=stop_strings(fields.stop),
+        sampling=fields.sampling, stops=stop_strings(fields.stop),
         tools=tools if tools is not None and tools.offered else None, guidance=guidance,
         logprobs=(fields.top_logprobs or 0) if fields.logprobs else None)
+
+
+def read_request(body: bytes, table: Fields, model: type[Model]) -> Model:
+    """The fields of the request in `body`, read by `model` once `table` has refused the ones that cannot be
+    honoured; raises ApiError (400) naming the first problem (a request model with `n` must ask for one choice)."""
+    data = json_object(body)
+    table.check(data)
+    fields = validated(model, data)
+    if getattr(fields, "n", 1) != 1:
+        raise ApiError("n: only one choice per request is supported (n=1)", param="n")
+    return fields
 
 
 def json_object(body: bytes) -> dict[str, Any]:

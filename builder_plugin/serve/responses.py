@@ -21,13 +21,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from builder_plugin.runtime import Sampling
 from builder_plugin.serve.errors import ApiError
 from builder_plugin.serve.events import Collected, Finished, Piece, ToolCalls, sse
 from builder_plugin.serve.fields import RESPONSES
-from builder_plugin.serve.protocol import ChatRequest, Writer, json_object, validated
+from builder_plugin.serve.protocol import ChatRequest, RequestFields, Writer, read_request
 from builder_plugin.serve.structured import response_guidance
 from builder_plugin.serve.tools import parse_tools
 
@@ -35,20 +34,10 @@ PARTS = {"input_text": "text", "output_text": "text", "input_image": "image_url"
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 
 
-class ResponsesRequestFields(BaseModel):
-    """The fields this server reads, as sent (RESPONSES.check has refused the ones it cannot honour)."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    model: str | None = None
+class ResponsesRequestFields(RequestFields):
     input: str | list[Any]
     instructions: str | None = None
-    stream: bool = False
     max_output_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0, le=2)
-    top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=1)
-    seed: int | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -102,9 +91,7 @@ def not_found(response_id: str, param: str | None = None) -> ApiError:
 
 def parse_responses(body: bytes, store: ResponseStore) -> ResponsesRequest:
     """The request in `body`; raises ApiError (400, or 404 for an unknown previous_response_id)."""
-    data = json_object(body)
-    RESPONSES.check(data)
-    fields = validated(ResponsesRequestFields, data)
+    fields = read_request(body, RESPONSES, ResponsesRequestFields)
     previous: tuple[dict[str, Any], ...] = ()
     if fields.previous_response_id is not None:
         stored = store.get(fields.previous_response_id)
@@ -127,7 +114,7 @@ def parse_responses(body: bytes, store: ResponseStore) -> ResponsesRequest:
     request = ChatRequest(
         model=fields.model, messages=(*system, *continued), stream=fields.stream, include_usage=False,
         max_new_tokens=fields.max_output_tokens,
-        sampling=Sampling(fields.temperature, fields.top_p, fields.top_k, fields.seed), stops=(),
+        sampling=fields.sampling, stops=(),
         tools=tools if tools is not None and tools.offered else None, guidance=guidance, logprobs=None,
         prompt_field="input", format_field="text.format")
     return ResponsesRequest(request, where, continued, fields)

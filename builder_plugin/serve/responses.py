@@ -250,8 +250,8 @@ class ResponsesWriter(Writer):
     """A response object, or the stream's events: response.created and response.in_progress; the message item
     (output_item.added, content_part.added, output_text.delta per piece, output_text.done, content_part.done,
     output_item.done); a function_call item per call (its arguments in one delta); then response.completed, or
-    response.incomplete when max_output_tokens cut the answer. Each event has its sequence_number. The response is
-    stored, when asked, as it finishes."""
+    response.incomplete when max_output_tokens cut the answer; an error event and response.failed when the answer
+    fails midway. Each event has its sequence_number. The response is stored, when asked, as it finishes."""
 
     def __init__(self, model: str, parsed: ResponsesRequest, store: ResponseStore) -> None:
         self.model = model
@@ -309,7 +309,12 @@ class ResponsesWriter(Writer):
         return [*events, self._event(kind, response=response)]
 
     def failed(self, error: ApiError) -> list[str]:
-        return [self._event("error", code=error.code, message=error.message, param=error.param)]
+        """An error event, then response.failed with what was said so far (nothing of it is stored)."""
+        output = [self._message(None)] if self._opened else []
+        failed = {**self.response("failed", output, None),
+                  "error": {"code": error.code or error.type, "message": error.message}}
+        return [self._event("error", code=error.code, message=error.message, param=error.param),
+                self._event("response.failed", response=failed)]
 
     def closing(self) -> list[str]:
         return []
@@ -346,9 +351,10 @@ class ResponsesWriter(Writer):
             self.store.put(self.id, Stored((*self.parsed.continued, answer), response))
         return response
 
-    def _message(self, finished: Finished) -> dict[str, Any]:
+    def _message(self, finished: Finished | None) -> dict[str, Any]:
+        """The message item (`finished` None: the answer failed midway)."""
         return {"type": "message", "id": self.message_id, "role": "assistant",
-                "status": "incomplete" if finished.finish_reason == "length" else "completed",
+                "status": "incomplete" if finished is None or finished.finish_reason == "length" else "completed",
                 "content": [{"type": "output_text", "text": "".join(self._text), "annotations": [], "logprobs": []}]}
 
     def _function_calls(self) -> list[dict[str, Any]]:

@@ -221,3 +221,25 @@ def test_refused_by_name(server):
     response = httpx.post(f"{server.url}/v1/responses", json={"input": "Hi", "unheard_of": 1})
     assert response.status_code == 400 and response.json()["error"]["param"] == "unheard_of"
 
+
+
+def test_a_failure_after_the_answer_started(served):
+    """An answer that fails midway ends its stream with an error event and response.failed; a JSON answer gets the
+    error object."""
+    from builder_plugin.runtime import ChatError
+
+    served.failure = ChatError  # the answers fail after their first piece
+    try:
+        with running_server(served) as running:
+            client = running.client()
+            events = list(client.responses.create(model=_model(client), input="Hi", stream=True,
+                                                  max_output_tokens=SHORT))
+            assert [e.type for e in events[:2]] == EVENTS[:2]
+            error, failed = events[-2:]
+            assert error.type == "error" and error.message == "the model failed on purpose"
+            assert failed.type == "response.failed" and failed.response.status == "failed"
+            assert failed.response.error.message == "the model failed on purpose"
+            with pytest.raises(openai.BadRequestError, match="the model failed on purpose"):
+                client.responses.create(model=_model(client), input="Hi", max_output_tokens=SHORT)
+    finally:
+        served.failure = None

@@ -1,6 +1,6 @@
 """Whole-package build benchmark: wall time and peak RSS of `python -m builder_plugin`, each build in its own process.
 
-    python benchmarks/bench_build.py [--work DIR] [--full-checkpoint DIR] [--skip-full] [--precisions int4,fp16]
+    python -m benchmarks.bench_build [--work DIR] [--full-checkpoint DIR] [--skip-full] [--precisions int4,fp16]
 
 - ``tiny``: the tiny generated checkpoint, fp32 and int4 cpu, all four models (fp32 is what tests and the demo
   build).
@@ -24,11 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-RESULTS = REPO / "benchmarks" / "results" / "build.json"
-sys.path.insert(0, str(REPO / "benchmarks"))
+from benchmarks.common import GB, RESULTS_DIR, ROOT, machine_info, markdown_table, write_json
 
-from common import GB, machine_info, markdown_table, write_json  # noqa: E402
+RESULTS = RESULTS_DIR / "build.json"
 
 
 def timed_build(checkpoint: Path, output: Path, *args: str) -> dict[str, Any]:
@@ -36,7 +34,7 @@ def timed_build(checkpoint: Path, output: Path, *args: str) -> dict[str, Any]:
     command = [sys.executable, "-m", "builder_plugin", "-i", str(checkpoint), "-o", str(output), "--no-progress", *args]
     timer = ["/usr/bin/time", "-v"] if Path("/usr/bin/time").exists() else []
     start = time.perf_counter()
-    proc = subprocess.run(timer + command, capture_output=True, text=True, cwd=REPO)
+    proc = subprocess.run(timer + command, capture_output=True, text=True, cwd=ROOT)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit(f"build failed: {' '.join(command)}\n{proc.stdout}\n{proc.stderr}")

@@ -1,7 +1,7 @@
 """Run time of a package as an app meets it: resident memory after each input mode, time to first token for first
 questions and follow-ups, decode speed — through builder_plugin.runtime.Chat.
 
-    python benchmarks/bench_chat.py --package PKG [--split-package SPLIT] [--new-tokens 32]
+    python -m benchmarks.bench_chat --package PKG [--split-package SPLIT] [--new-tokens 32]
 
 PKG is a routed package (the default build: one self-routing decoder); SPLIT, optional, is a ``--lora split``
 package of the same checkpoint (one decoder file per input mode, one og.Model each), run the way the run-time helper
@@ -34,11 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from common import (  # noqa: E402
+from benchmarks.common import (
+    BENCHMARKS_DOC,
+    RESULTS_DIR,
     command_line,
     current_rss_bytes,
     fmt,
@@ -121,8 +119,8 @@ def worker(scenario: str, package: Path, media: Path, new_tokens: int, follow_up
 
 def run_worker(scenario: str, package: Path, media: Path, args: argparse.Namespace,
                follow_up_room: int | None) -> dict:
-    command = [sys.executable, __file__, "--worker", scenario, "--package", str(package), "--media", str(media),
-               "--new-tokens", str(args.new_tokens)]
+    command = [sys.executable, "-m", __spec__.name, "--worker", scenario, "--package", str(package), "--media",
+               str(media), "--new-tokens", str(args.new_tokens)]
     if follow_up_room is not None:
         command += ["--follow-up-room", str(follow_up_room)]
     print(f"{scenario}: {package}", file=sys.stderr, flush=True)
@@ -203,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--package", type=Path, required=True, help="routed package (the default build)")
     parser.add_argument("--split-package", type=Path, help="--lora split package of the same checkpoint")
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "chat.json")
-    parser.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"), help="'' leaves the docs alone")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "chat.json")
+    parser.add_argument("--doc", default=str(BENCHMARKS_DOC), help="'' leaves the docs alone")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--media", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--follow-up-room", type=int, help=argparse.SUPPRESS)

@@ -1,6 +1,6 @@
 """Decoder build benchmark: our lazy, streaming int4 path against the stock GenAI builder's whole-graph path.
 
-    python benchmarks/bench_decoder_build.py [--work DIR] [--modes ours,ours-routed,stock] [--no-latency]
+    python -m benchmarks.bench_decoder_build [--work DIR] [--modes ours,ours-routed,stock] [--no-latency]
         [--latency-only] [--repeat N]
 
 The checkpoint is the full-width model cut to 2 text layers (real hidden/intermediate/vocab sizes), generated once
@@ -35,14 +35,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "benchmarks"))
+from benchmarks.common import RESULTS_DIR, ROOT, current_rss_bytes, peak_rss_bytes, rss_split
+from builder_plugin.layout import DATA_FILES, MAIN_DECODER, Component
 
-from common import current_rss_bytes, peak_rss_bytes, rss_split  # noqa: E402
-
-from builder_plugin.layout import DATA_FILES, MAIN_DECODER, Component  # noqa: E402
-
-RESULTS = REPO / "benchmarks" / "results" / "decoder_build.json"
+RESULTS = RESULTS_DIR / "decoder_build.json"
 DEFAULT_WORK = Path(tempfile.gettempdir()) / "bench_decoder"
 MODES = ("ours", "ours-routed", "stock")
 PREFILL_TOKENS = 64
@@ -276,9 +272,9 @@ def worker_run(checkpoint: Path, decoder: Path) -> dict[str, Any]:
 
 
 def _spawn(args: list[str]) -> dict[str, Any]:
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, __file__, *args], capture_output=True, text=True, env=env)
+    proc = subprocess.run([sys.executable, "-m", __spec__.name, *args], capture_output=True, text=True, env=env)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise RuntimeError(f"worker {args} failed:\n{proc.stderr[-4000:]}")
@@ -376,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=2) + "\n", encoding="utf-8")
     print(_table(results))
-    print(f"\nwritten to {RESULTS.relative_to(REPO)}")
+    print(f"\nwritten to {RESULTS.relative_to(ROOT)}")
     return 0
 
 

@@ -1,8 +1,8 @@
 """What checking hub downloads against their sha256 costs (builder_plugin.digests), at full size.
 
-    python benchmarks/bench_hub_verify.py --checkpoint /work/bench/full [--work DIR] [--rounds 2]
+    python -m benchmarks.bench_hub_verify --checkpoint /work/bench/full [--work DIR] [--rounds 2]
 
-A local hub (builder_plugin.testing.hub_server.LocalHub, in a process of its own) serves the checkpoint over loopback.
+A local hub (tests.support.hub_server.LocalHub, in a process of its own) serves the checkpoint over loopback.
 Measured, on the checkpoint's weight files:
 
 - ``hashlib``: one sha256 pass over the files, one thread, 16 MB reads, twice: the first as the page cache holds them
@@ -30,21 +30,27 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from common import GB, command_line, fmt, machine_info, markdown_table, publish, summarize  # noqa: E402
+from benchmarks.common import (
+    BENCHMARKS_DOC,
+    GB,
+    RESULTS_DIR,
+    command_line,
+    fmt,
+    machine_info,
+    markdown_table,
+    publish,
+    summarize,
+)
 
 REPO_ID = "bench/full"
-RESULTS = ROOT / "benchmarks" / "results" / "hub_verify.json"
-DOC = ROOT / "docs" / "benchmarks.md"
+RESULTS = RESULTS_DIR / "hub_verify.json"
+DOC = BENCHMARKS_DOC
 HEADING = "## Hub download checks"
 
 
 def serve(checkpoint: Path) -> None:
     """The hub process: publish the checkpoint, print the endpoint, serve until stdin closes."""
-    from builder_plugin.testing.hub_server import LocalHub
+    from tests.support.hub_server import LocalHub
 
     with LocalHub() as hub:
         hub.add_commit(REPO_ID, checkpoint)
@@ -166,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     in_memory = hash_rate_in_memory()
     shutil.rmtree(args.work, ignore_errors=True)
     args.work.mkdir(parents=True)
-    hub = subprocess.Popen([sys.executable, __file__, "--serve", "--checkpoint", str(args.checkpoint)],
+    hub = subprocess.Popen([sys.executable, "-m", __spec__.name, "--serve", "--checkpoint", str(args.checkpoint)],
                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         endpoint = hub.stdout.readline().strip()

@@ -1,7 +1,7 @@
 """What the LongRoPE switch costs an answer that crosses it: one text question whose prompt ends just below
 ``original_max_position_embeddings``, answered greedily past it, through builder_plugin.runtime.Chat.
 
-    python benchmarks/bench_longrope.py --package PKG [--below 16] [--new-tokens 32]
+    python -m benchmarks.bench_longrope --package PKG [--below 16] [--new-tokens 32]
 
 At the first step past the switch Chat replaces the generator by a prefill of every id so far (the cache recomputed
 with the long factors, as the original model does). The report gives the prompt's prefill time, the step that
@@ -19,11 +19,16 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from common import command_line, fmt, machine_info, machine_markdown, peak_rss_bytes, publish  # noqa: E402
+from benchmarks.common import (
+    BENCHMARKS_DOC,
+    RESULTS_DIR,
+    command_line,
+    fmt,
+    machine_info,
+    machine_markdown,
+    peak_rss_bytes,
+    publish,
+)
 
 SENTENCE = "The keeper climbed the stairs of the lighthouse, counted the ships and wrote the weather in his book. "
 
@@ -49,8 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--package", type=Path, required=True)
     parser.add_argument("--below", type=int, default=16, help="prompt tokens below the switch")
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "longrope.json")
-    parser.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"), help="'' leaves the docs alone")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "longrope.json")
+    parser.add_argument("--doc", default=str(BENCHMARKS_DOC), help="'' leaves the docs alone")
     parser.add_argument("--note", default="", help="how the package was built, the machine's state (for the report)")
     args = parser.parse_args(argv)
 

@@ -1,8 +1,8 @@
 """The MatMulNBits kernel alone against the memory-read bound: how fast onnxruntime's CPU kernel streams a decode
 step's int4 weights when nothing else is in the step.
 
-    python benchmarks/bench_matmulnbits.py [--layers 16] [--block-sizes 32,64,128] [--rounds 2] [--hugepages]
-    python benchmarks/bench_matmulnbits.py --from-json benchmarks/results/matmulnbits.json   # redo the report
+    python -m benchmarks.bench_matmulnbits [--layers 16] [--block-sizes 32,64,128] [--rounds 2] [--hugepages]
+    python -m benchmarks.bench_matmulnbits --from-json benchmarks/results/matmulnbits.json   # redo the report
 
 A graph holds the MatMulNBits of `--layers` text-decoder layers with the full-size shapes (qkv, o, gate_up, down;
 random packed weights, every node its own, one input row as in a decode step), written once per block size to
@@ -32,25 +32,18 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from common import (  # noqa: E402
-    command_line,
+from benchmarks.common import (
+    ROOT,
     fmt,
-    git_state,
-    machine_info,
     machine_markdown,
     markdown_table,
-    publish,
+    measure_or_replay,
     read_probe_gb_s,
     rss_split,
 )
-
-from builder_plugin.memory import proc_kib_field  # noqa: E402
-from builder_plugin.runtime.threads import NO_SPINNING, SPINNING_KEY, default_threads  # noqa: E402
-from builder_plugin.testing.make_checkpoint import PRESETS  # noqa: E402
+from builder_plugin.memory import proc_kib_field
+from builder_plugin.runtime.threads import NO_SPINNING, SPINNING_KEY, default_threads
+from builder_plugin.testing.make_checkpoint import PRESETS
 
 HEADING = "## MatMulNBits alone"
 HUGEPAGES_TUNABLE = "glibc.malloc.hugetlb=1"
@@ -64,8 +57,10 @@ def layer_shapes(text: dict[str, int]) -> list[tuple[str, int, int]]:
     return [("qkv", hidden, qkv), ("o", hidden, hidden), ("gate_up", hidden, 2 * inner), ("down", inner, hidden)]
 
 
-def write_graph(path: Path, layers: int, block_size: int, accuracy_level: int, seed: int = 0) -> int:
-    """A graph of `layers` layers' MatMulNBits, each reading the input row of its K; returns the stored bytes."""
+def write_graph(path: Path, layers: int, block_size: int, accuracy_level: int, seed: int = 0,
+                rows: int | str = 1) -> int:
+    """A graph of `layers` layers' MatMulNBits, each reading the input rows of its K (`rows`: their count, or a name
+    for any count); returns the stored bytes."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -84,28 +79,36 @@ def write_graph(path: Path, layers: int, block_size: int, accuracy_level: int, s
             nodes.append(helper.make_node("MatMulNBits", [f"x{k}", f"{prefix}.qweight", f"{prefix}.scales"],
                                           [f"{prefix}.out"], domain="com.microsoft", K=k, N=n, bits=4,
                                           block_size=block_size, accuracy_level=accuracy_level))
-            outputs.append(helper.make_tensor_value_info(f"{prefix}.out", TensorProto.FLOAT, [1, n]))
-    graph = helper.make_graph(nodes, "matmulnbits", [helper.make_tensor_value_info(f"x{k}", TensorProto.FLOAT, [1, k])
-                                                     for k in widths], outputs, initializer=initializers)
+            outputs.append(helper.make_tensor_value_info(f"{prefix}.out", TensorProto.FLOAT, [rows, n]))
+    inputs = [helper.make_tensor_value_info(f"x{k}", TensorProto.FLOAT, [rows, k]) for k in widths]
+    graph = helper.make_graph(nodes, "matmulnbits", inputs, outputs, initializer=initializers)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
                                                     helper.make_opsetid("com.microsoft", 1)])
     onnx.save(model, str(path), save_as_external_data=True, location=path.name + ".data")
     return stored
 
 
-def measure(path: Path, threads: int, steps: int) -> dict[str, Any]:
-    """In this process: load `path`, time `steps` runs; bandwidth probes right before and after."""
+def load(path: Path, threads: int, library: Path | None = None) -> Any:
+    """A session with the run time's settings (`threads`, no spinning), the operator `library` registered if given."""
     import onnxruntime as ort
 
-    before = rss_split().get("RssAnon", 0)
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.add_session_config_entry(SPINNING_KEY, NO_SPINNING)
-    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    if library is not None:
+        options.register_custom_ops_library(str(library))
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def measure(path: Path, threads: int, steps: int, rows: int = 1, library: Path | None = None) -> dict[str, Any]:
+    """In this process: load `path` (with the operator `library` registered, if given), time `steps` runs of `rows`
+    input rows; bandwidth probes right before and after."""
+    before = rss_split().get("RssAnon", 0)
+    session = load(path, threads, library)
     gc.collect()
     held = rss_split().get("RssAnon", 0) - before
-    feeds = {i.name: np.full([1, i.shape[1]], 0.01, dtype=np.float32) for i in session.get_inputs()}
-    for _ in range(3):
+    feeds = {i.name: np.full([rows, i.shape[1]], 0.01, dtype=np.float32) for i in session.get_inputs()}
+    for _ in range(3 if rows <= 64 else 1):
         session.run(None, feeds)
     probes = [read_probe_gb_s()]
     times = []
@@ -129,7 +132,7 @@ def _child(path: Path, threads: int, steps: int, hugepages: bool) -> dict[str, A
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     if hugepages:
         env["GLIBC_TUNABLES"] = ":".join(filter(None, [env.get("GLIBC_TUNABLES"), HUGEPAGES_TUNABLE]))
-    done = subprocess.run([sys.executable, __file__, "--worker", json.dumps(
+    done = subprocess.run([sys.executable, "-m", __spec__.name, "--worker", json.dumps(
         {"path": str(path), "threads": threads, "steps": steps})], capture_output=True, text=True, env=env)
     if done.returncode:
         raise SystemExit(f"worker failed: {done.stderr.strip().splitlines()[-1:]}")
@@ -227,18 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         job = json.loads(args.worker)
         print(json.dumps(measure(Path(job["path"]), job["threads"], job["steps"])))
         return 0
-    if args.from_json:
-        results = json.loads(args.from_json.read_text(encoding="utf-8"))
-        if args.note is not None:
-            results["note"] = args.note
-        publish(results, args.out, args.doc, HEADING, report(results))
-        return 0
-    results = run(args)
-    results.update(command=command_line("bench_matmulnbits.py", argv), git=git_state(), machine=machine_info(),
-                   note=args.note or "")
-    publish(results, args.out, args.doc, HEADING, report(results))
-    return 0
-
+    return measure_or_replay(args, argv, "bench_matmulnbits.py", HEADING, run, report)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,8 +1,8 @@
 """Size, build cost and decode speed of each quantization choice on the full-size checkpoint, one build at a time.
 
-    python benchmarks/bench_quant_choices.py --checkpoint full [--choices int4-rtn_last,int4-k_quant] [--work DIR]
+    python -m benchmarks.bench_quant_choices --checkpoint full [--choices int4-rtn_last,int4-k_quant] [--work DIR]
         [--jobs N] [--no-decode]
-    python benchmarks/bench_quant_choices.py --checkpoint full --layer [--jobs-list 1,2] [--repeats 2]
+    python -m benchmarks.bench_quant_choices --checkpoint full --layer [--jobs-list 1,2] [--repeats 2]
 
 Each choice (`CHOICES`: `-p` and `--extra_options` of `python -m builder_plugin`) is built in its own process (wall
 time and peak RSS from the operating system's accounting of that process), its data files are measured, then a fresh
@@ -34,11 +34,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from common import (  # noqa: E402
+from benchmarks.common import (
+    BENCHMARKS_DOC,
+    RESULTS_DIR,
+    ROOT,
     command_line,
     fmt,
     git_state,
@@ -48,9 +47,8 @@ from common import (  # noqa: E402
     peak_rss_bytes,
     publish,
 )
-
-from builder_plugin.layout import DATA_FILES, Component  # noqa: E402
-from builder_plugin.quant.choices import DEFAULT_ALGO_CONFIG  # noqa: E402
+from builder_plugin.layout import DATA_FILES, Component
+from builder_plugin.quant_choices import DEFAULT_ALGO_CONFIG
 
 # name -> (precision, --extra_options); the names are what --choices takes
 CHOICES: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -118,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench_quant_choices"), help="where packages go")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--keep", action="store_true", help="keep the packages")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "quant_choices.json")
-    parser.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"), help="'' leaves the docs alone")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "quant_choices.json")
+    parser.add_argument("--doc", default=str(BENCHMARKS_DOC), help="'' leaves the docs alone")
     parser.add_argument("--note", default="", help="the machine's state (for the report)")
     parser.add_argument("--jobs", type=int, help="the builds' --jobs (default: theirs, every core)")
     parser.add_argument("--no-decode", action="store_true", help="build only (the decode columns stay empty)")
@@ -138,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.layer:
         layer = layer_benchmark(args.checkpoint, [int(j) for j in args.jobs_list.split(",")], args.note, args.repeats)
         layer.update(command=command_line("bench_quant_choices.py", argv), machine=machine_info())
-        publish(layer, ROOT / "benchmarks" / "results" / "k_quant_layer.json", args.doc,
+        publish(layer, RESULTS_DIR / "k_quant_layer.json", args.doc,
                 "## k-quant on one full-width layer", layer_report(layer))
         return 0
 
@@ -151,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                  **build_choice(name, args.checkpoint, package, args.jobs)}
         if not args.no_decode:
             print(f"{key}: decoding", file=sys.stderr, flush=True)
-            child = subprocess.run([sys.executable, __file__, "--decode", str(package), "--new-tokens",
+            child = subprocess.run([sys.executable, "-m", __spec__.name, "--decode", str(package), "--new-tokens",
                                     str(args.new_tokens)], capture_output=True, text=True,
                                    env={**os.environ, "PYTHONPATH": str(ROOT)})
             if child.returncode:

@@ -1,6 +1,6 @@
 """Speed of the self-routing decoder against the split decoders, per input mode, in alternated processes.
 
-    python benchmarks/bench_routing_speed.py --package PKG --split-package SPLIT [--rounds 3] [--repeats 2]
+    python -m benchmarks.bench_routing_speed --package PKG --split-package SPLIT [--rounds 3] [--repeats 2]
 
 PKG is a routed package (the default build), SPLIT a ``--lora split`` package of the same checkpoint. Each round runs,
 for every input mode, one process per package (their order alternates from round to round, so a slow spell of a
@@ -23,11 +23,17 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from common import command_line, fmt, machine_info, machine_markdown, make_media, markdown_table, publish  # noqa: E402
+from benchmarks.common import (
+    BENCHMARKS_DOC,
+    RESULTS_DIR,
+    command_line,
+    fmt,
+    machine_info,
+    machine_markdown,
+    make_media,
+    markdown_table,
+    publish,
+)
 
 IMAGE_SIZE = (448, 448)  # one crop and the global view
 AUDIO_SECONDS = 3.0
@@ -61,7 +67,7 @@ def worker(package: Path, mode: str, media: Path, repeats: int, new_tokens: int)
 
 
 def run_worker(package: Path, mode: str, media: Path, args: argparse.Namespace) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--worker", mode, "--package", str(package), "--media", str(media),
+    command = [sys.executable, "-m", __spec__.name, "--worker", mode, "--package", str(package), "--media", str(media),
                "--repeats", str(args.repeats), "--new-tokens", str(args.new_tokens)]
     print(f"{mode}: {package}", file=sys.stderr, flush=True)
     result = subprocess.run(command, stdout=subprocess.PIPE, text=True, check=False)
@@ -130,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2, help="timed questions per process")
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "routing_speed.json")
-    parser.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"), help="'' leaves the docs alone")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "routing_speed.json")
+    parser.add_argument("--doc", default=str(BENCHMARKS_DOC), help="'' leaves the docs alone")
     parser.add_argument("--note", default="", help="how the packages were built, the machine's state (for the report)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--media", type=Path, help=argparse.SUPPRESS)

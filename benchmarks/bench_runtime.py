@@ -1,11 +1,11 @@
 """Run-time speed of built phi4mm packages on CPU: onnxruntime-genai fp32 and int4 against transformers' native
 Phi4MultimodalForCausalLM in PyTorch (eager, fp32), same weights, same prompts, same number of tokens.
 
-    python benchmarks/bench_runtime.py [--checkpoint DIR] [--text-layers 8] [--scaling-layers 2] [--rounds 3]
+    python -m benchmarks.bench_runtime [--checkpoint DIR] [--text-layers 8] [--scaling-layers 2] [--rounds 3]
                                        [--full-depth-package DIR]
                                        [--new-tokens 16] [--repeats 3] [--budget 30] [--threads N]
                                        [--out benchmarks/results/runtime.json] [--doc docs/benchmarks.md]
-    python benchmarks/bench_runtime.py --from-json benchmarks/results/runtime.json   # re-analyse, re-publish
+    python -m benchmarks.bench_runtime --from-json benchmarks/results/runtime.json   # re-analyse, re-publish
 
 Model: a FULL-WIDTH generated checkpoint (real Phi-4-multimodal widths and vocabulary, random weights) with
 --text-layers decoder layers (the real model has 32), 4 SigLIP layers (27) and 4 conformer blocks (24), unless
@@ -65,14 +65,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from common import git_state, machine_info, memcpy_bandwidth, read_bandwidth  # noqa: E402
-from runtime_bench import BACKENDS, PRECISIONS, PROMPT_NAMES, REAL_TEXT_LAYERS, VARIANT_FILES  # noqa: E402
-from runtime_bench.decoder_graph import decode_weight_bytes, logits_positions  # noqa: E402
-from runtime_bench.prepare import (  # noqa: E402
+from benchmarks.common import BENCHMARKS_DOC, RESULTS_DIR, git_state, machine_info, memcpy_bandwidth, read_bandwidth
+from benchmarks.runtime_bench import BACKENDS, PRECISIONS, PROMPT_NAMES, REAL_TEXT_LAYERS, VARIANT_FILES
+from benchmarks.runtime_bench.decoder_graph import decode_weight_bytes, logits_positions
+from benchmarks.runtime_bench.prepare import (
     Prompt,
     build_worker,
     builder_fingerprint,
@@ -80,13 +76,12 @@ from runtime_bench.prepare import (  # noqa: E402
     prepare_checkpoints,
     prepare_packages,
 )
-from runtime_bench.report import publish  # noqa: E402
-from runtime_bench.workers import make_case, merge_runs, run_worker, worker_main  # noqa: E402
+from benchmarks.runtime_bench.report import publish
+from benchmarks.runtime_bench.workers import make_case, merge_runs, run_worker, worker_main
+from builder_plugin.layout import GENAI_CONFIG_FILE
 
-from builder_plugin.layout import GENAI_CONFIG_FILE  # noqa: E402
-
-RESULTS = ROOT / "benchmarks" / "results" / "runtime.json"
-DOC = ROOT / "docs" / "benchmarks.md"
+RESULTS = RESULTS_DIR / "runtime.json"
+DOC = BENCHMARKS_DOC
 DEFAULT_WORK = Path("/tmp/bench_runtime")
 
 
@@ -132,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         args.threads = default_threads()
     if args.from_json:
         return publish(json.loads(args.from_json.read_text()), args.out, args.doc)
-    command = " ".join(["python benchmarks/bench_runtime.py", *(sys.argv[1:] if argv is None else argv)])
+    command = " ".join(["python -m benchmarks.bench_runtime", *(sys.argv[1:] if argv is None else argv)])
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     prompt_names = [p for p in args.prompts.split(",") if p]

@@ -2,9 +2,9 @@
 with several clients at once) and time to first token through the server against `Chat` directly on the same
 package.
 
-    python benchmarks/bench_serve.py                          # the tiny generated package (built into --work)
-    python benchmarks/bench_serve.py /work/bench/pkg-int4 --requests 8 --concurrency 2 --ttft-runs 3 --max-length 2048
-    python benchmarks/bench_serve.py /work/bench/pkg-int4-plain --guidance --max-tokens 64 --max-length 2048
+    python -m benchmarks.bench_serve                          # the tiny generated package (built into --work)
+    python -m benchmarks.bench_serve /work/bench/pkg-int4 --requests 8 --concurrency 2 --ttft-runs 3 --max-length 2048
+    python -m benchmarks.bench_serve /work/bench/pkg-int4-plain --guidance --max-tokens 64 --max-length 2048
 
 The server runs in its own process, Chat and the clients (threads, with the openai client) in this one; both have
 the package loaded at once, and the time-to-first-token requests alternate between them. Every request is a fresh
@@ -33,12 +33,20 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import fmt, git_state, machine_info, markdown_table, replace_markdown_section, write_json
+from benchmarks.common import (
+    BENCHMARKS_DOC,
+    RESULTS_DIR,
+    ROOT,
+    fmt,
+    git_state,
+    machine_info,
+    markdown_table,
+    replace_markdown_section,
+    write_json,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results" / "serve.json"
-DOC = ROOT / "docs" / "benchmarks.md"
+RESULTS = RESULTS_DIR / "serve.json"
+DOC = BENCHMARKS_DOC
 
 
 def prompt(i: int) -> str:
@@ -343,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
 
     package = Path(args.package) if args.package else tiny_package(args.work)
     label = args.label or ("tiny" if not args.package else package.name)
-    command = "python benchmarks/bench_serve.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m benchmarks.bench_serve " + " ".join(argv if argv is not None else sys.argv[1:])
     results = {"runs": {}}
     if args.out.is_file():
         results = json.loads(args.out.read_text(encoding="utf-8"))

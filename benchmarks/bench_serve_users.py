@@ -1,8 +1,8 @@
 """Several users on one server (`python -m builder_plugin.serve`, its defaults unless stated): answers taking turns and
 kept conversations.
 
-    python benchmarks/bench_serve_users.py                                   # the tiny generated package
-    python benchmarks/bench_serve_users.py /work/bench/pkg-int4-plain --label full-int4-plain --max-length 4096
+    python -m benchmarks.bench_serve_users                                   # the tiny generated package
+    python -m benchmarks.bench_serve_users /work/bench/pkg-int4-plain --label full-int4-plain --max-length 4096
 
 - interleave: the time to first token (TTFT) of a short text request on an idle server, against the same while one
   `--long-tokens` answer streams (the short requests sent one after the other while it runs); decode tokens/s of one
@@ -33,15 +33,22 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import tiny_package
-from common import fmt, git_state, machine_info, markdown_table, replace_markdown_section, write_json
-
+from benchmarks.bench_serve import tiny_package
+from benchmarks.common import (
+    BENCHMARKS_DOC,
+    RESULTS_DIR,
+    ROOT,
+    fmt,
+    git_state,
+    machine_info,
+    markdown_table,
+    replace_markdown_section,
+    write_json,
+)
 from builder_plugin.memory import proc_kib_field
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results" / "serve_users.json"
-DOC = ROOT / "docs" / "benchmarks.md"
+RESULTS = RESULTS_DIR / "serve_users.json"
+DOC = BENCHMARKS_DOC
 HEADING = "## Serving several users"
 
 
@@ -241,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     results = json.loads(args.out.read_text(encoding="utf-8")) if args.out.is_file() else {}
     run: dict[str, Any] = {"package": str(package), "long_tokens": args.long_tokens, "users": args.users,
                            "image_size": args.image_size,
-                           "command": ("python benchmarks/bench_serve_users.py "
+                           "command": ("python -m benchmarks.bench_serve_users "
                                        + " ".join(argv if argv is not None else sys.argv[1:])).strip()}
     if args.only != "turns":
         run["interleave"] = measure_interleave(package, args)

@@ -1,12 +1,12 @@
 """Soak test of `python -m builder_plugin.serve`: many mixed requests from several clients at once, every answer
 checked against `Chat`, and the server's memory, threads, temporary folder and exit status checked at the end.
 
-    python benchmarks/bench_soak.py                                   # 500 requests on the tiny generated package
-    python benchmarks/bench_soak.py --requests 2000 --concurrency 8 --server-arg=--max-queue --server-arg=16
-    python benchmarks/bench_soak.py /work/bench/pkg-int4 --requests 100 --label full-int4 --server-arg=--max-length \
+    python -m benchmarks.bench_soak                                   # 500 requests on the tiny generated package
+    python -m benchmarks.bench_soak --requests 2000 --concurrency 8 --server-arg=--max-queue --server-arg=16
+    python -m benchmarks.bench_soak /work/bench/pkg-int4 --requests 100 --label full-int4 --server-arg=--max-length \
         --server-arg=4096
 
-The run is builder_plugin.testing.soak.run_soak (its module says what is sent and checked). The summary is printed,
+The run is tests.support.soak.run_soak (its module says what is sent and checked). The summary is printed,
 the run merged by `--label` into benchmarks/results/soak.json, and the "## Soak" section of docs/benchmarks.md
 rewritten from it. The exit status is 1 when a check failed (the failures are printed and recorded).
 """
@@ -22,13 +22,21 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import tiny_package
-from common import command_line, fmt, git_state, machine_info, markdown_table, replace_markdown_section, write_json
+from benchmarks.bench_serve import tiny_package
+from benchmarks.common import (
+    BENCHMARKS_DOC,
+    RESULTS_DIR,
+    command_line,
+    fmt,
+    git_state,
+    machine_info,
+    markdown_table,
+    replace_markdown_section,
+    write_json,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results" / "soak.json"
-DOC = ROOT / "docs" / "benchmarks.md"
+RESULTS = RESULTS_DIR / "soak.json"
+DOC = BENCHMARKS_DOC
 MiB = 1 << 20
 
 
@@ -89,7 +97,7 @@ def section(results: dict[str, Any]) -> str:
             "openai client: text, photograph and audio questions, streamed or not, streams closed after a chunk or "
             "two, bad requests (each must get its 4xx and OpenAI's error object), and conversations that grow by one "
             "question per request, regenerate their last answer or edit their last question, their requests "
-            "interleaved between the clients (builder_plugin/testing/soak.py). Every answer is compared with an "
+            "interleaved between the clients (tests/support/soak.py). Every answer is compared with an "
             "independent `Chat` on the same package (greedy). The first requests, one per client sent at the same "
             "moment, are the longest prompt of the run. Server RSS and threads: after the first 50 requests and at "
             "the end, both with no request out; the check is growth <= 5 % and no more threads. Exit = the server's "
@@ -116,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--doc", default=str(DOC), help="Markdown file to update ('' = none)")
     args = parser.parse_args(argv)
 
-    from builder_plugin.testing.soak import run_soak
+    from tests.support.soak import run_soak
 
     package = Path(args.package) if args.package else tiny_package(args.work)
     label = args.label or ("tiny" if not args.package else package.name)

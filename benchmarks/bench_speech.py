@@ -1,6 +1,6 @@
 """Speech graph CPU speed at full conformer width: ONNX Runtime (fp32) vs the PyTorch reference, same clip, same run.
 
-    python benchmarks/bench_speech.py [--seconds 10] [--audio-blocks 4] [--repeats 5] [--threads N] [--checkpoint DIR]
+    python -m benchmarks.bench_speech [--seconds 10] [--audio-blocks 4] [--repeats 5] [--threads N] [--checkpoint DIR]
 
 A random full-size checkpoint is generated (real Phi-4-multimodal audio and text widths; 1 text layer, 1 SigLIP layer
 and --audio-blocks conformer blocks instead of 24, to keep the files small) unless --checkpoint points at one. The
@@ -24,24 +24,19 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks.common import RESULTS_DIR, cpu_session, machine_info, time_in_turn, write_json
+from builder_plugin.checkpoint.reader import CheckpointReader
+from builder_plugin.checkpoint.routing import route_weights
+from builder_plugin.components.speech import SPEECH_FILENAME, SpeechBuilder
+from builder_plugin.config import Phi4MMConfig
+from builder_plugin.options import BuildOptions
+from builder_plugin.reference.model import Reference
+from builder_plugin.spec import Component
+from builder_plugin.testing.make_checkpoint import make_checkpoint
+from builder_plugin.testing.media import make_wav
+from tests.support.processor import processor_inputs
 
-from common import cpu_session, machine_info, time_in_turn, write_json  # noqa: E402
-
-from builder_plugin.checkpoint.reader import CheckpointReader  # noqa: E402
-from builder_plugin.checkpoint.routing import route_weights  # noqa: E402
-from builder_plugin.components.speech import SPEECH_FILENAME, SpeechBuilder  # noqa: E402
-from builder_plugin.config import Phi4MMConfig  # noqa: E402
-from builder_plugin.options import BuildOptions  # noqa: E402
-from builder_plugin.reference.model import Reference  # noqa: E402
-from builder_plugin.spec import Component  # noqa: E402
-from builder_plugin.testing.make_checkpoint import make_checkpoint  # noqa: E402
-from builder_plugin.testing.media import make_wav  # noqa: E402
-from builder_plugin.testing.processor import processor_inputs  # noqa: E402
-
-RESULTS = ROOT / "benchmarks" / "results" / "speech.json"
+RESULTS = RESULTS_DIR / "speech.json"
 SPEECH_MODE = 2
 
 

@@ -1,7 +1,7 @@
 """Decode speed against the memory-read bound, and the first token of a one-image prompt, with the thread count
 onnxruntime-genai picks itself ("as built") and with the one Chat and the server pick at load ("default").
 
-    python benchmarks/bench_threads.py PKG [PKG ...] [--rounds 3] [--new-tokens 40] [--image] [--serve]
+    python -m benchmarks.bench_threads PKG [PKG ...] [--rounds 3] [--new-tokens 40] [--image] [--serve]
                                        [--lock /work/fullsize.lock] [--label NAME] [--doc docs/benchmarks.md]
 
 Every measurement is a fresh process (the package loaded once in it), run under `flock --lock` when given; rounds
@@ -39,9 +39,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (
+from benchmarks.common import (
+    BENCHMARKS_DOC,
     GB,
+    RESULTS_DIR,
+    ROOT,
     command_line,
     fmt,
     git_state,
@@ -52,14 +54,12 @@ from common import (
     read_bandwidth,
     read_probe_gb_s,
 )
-from runtime_bench.decoder_graph import decode_weight_bytes
-
+from benchmarks.runtime_bench.decoder_graph import decode_weight_bytes
 from builder_plugin.layout import GENAI_CONFIG_FILE
 from builder_plugin.runtime.threads import SPINNING_KEY
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results" / "threads.json"
-DOC = ROOT / "docs" / "benchmarks.md"
+RESULTS = RESULTS_DIR / "threads.json"
+DOC = BENCHMARKS_DOC
 HEADING = "## Threads"
 QUESTION = "Write a long story about a lighthouse keeper and the ships she watches."
 SETTINGS = ("as built", "default")
@@ -173,7 +173,7 @@ def server_worker(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_worker(job: dict[str, Any], lock: str | None) -> dict[str, Any]:
-    command = [sys.executable, __file__, "--worker", json.dumps(job)]
+    command = [sys.executable, "-m", __spec__.name, "--worker", json.dumps(job)]
     if lock:
         command = ["flock", lock, *command]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)

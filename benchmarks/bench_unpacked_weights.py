@@ -1,7 +1,7 @@
 """What running float weights unpacked saves: one greedy text answer through onnxruntime-genai, in a fresh process per
 setting, with the package's genai_config as built and with onnxruntime's CPU prepacking on for every session.
 
-    python benchmarks/bench_unpacked_weights.py --package PKG [--new-tokens 32] [--rounds 3] [--note TEXT]
+    python -m benchmarks.bench_unpacked_weights --package PKG [--new-tokens 32] [--rounds 3] [--note TEXT]
 
 A cpu build gives every graph whose MatMul weights are all float `session.disable_prepacking` (genai_config.json):
 onnxruntime then computes on the weights it mapped from the .data files, which stay page cache, instead of a packed
@@ -22,11 +22,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from common import (  # noqa: E402
+from benchmarks.common import (
+    BENCHMARKS_DOC,
+    RESULTS_DIR,
+    ROOT,
     command_line,
     fmt,
     greedy_text_answer,
@@ -35,10 +34,9 @@ from common import (  # noqa: E402
     peak_rss_bytes,
     publish,
 )
-
-from builder_plugin.layout import GENAI_CONFIG_FILE  # noqa: E402
-from builder_plugin.memory import MemorySampler  # noqa: E402
-from genai_config.writer import UNPACKED_WEIGHTS_ENTRIES  # noqa: E402
+from builder_plugin.layout import GENAI_CONFIG_FILE
+from builder_plugin.memory import MemorySampler
+from genai_config.writer import UNPACKED_WEIGHTS_ENTRIES
 
 QUESTION = "Tell me a story about a lighthouse keeper and the ships he counted."
 SETTINGS = ("as built", "prepacking everywhere")
@@ -80,8 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--package", type=Path, required=True)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3, help="measurements per setting, alternating (median)")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "unpacked_weights.json")
-    parser.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"), help="'' leaves the docs alone")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "unpacked_weights.json")
+    parser.add_argument("--doc", default=str(BENCHMARKS_DOC), help="'' leaves the docs alone")
     parser.add_argument("--note", default="", help="how the package was built, the machine's state (for the report)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one measurement, JSON on stdout
     args = parser.parse_args(argv)
@@ -109,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _measure_in_child(setting: str, package: Path, new_tokens: int) -> dict:
-    child = subprocess.run([sys.executable, __file__, "--child", "--package", str(package),
+    child = subprocess.run([sys.executable, "-m", __spec__.name, "--child", "--package", str(package),
                             "--new-tokens", str(new_tokens)], capture_output=True, text=True,
                            env={**os.environ, "PYTHONPATH": str(ROOT)})
     if child.returncode == -signal.SIGKILL:  # what the kernel's out-of-memory killer sends

@@ -1,6 +1,6 @@
 """Vision graph CPU speed at full SigLIP width: ONNX Runtime (fp32) vs the PyTorch reference, same inputs, same run.
 
-    python benchmarks/bench_vision.py [--vision-layers 4] [--repeats 3] [--threads N] [--checkpoint DIR]
+    python -m benchmarks.bench_vision [--vision-layers 4] [--repeats 3] [--threads N] [--checkpoint DIR]
 
 A random full-size checkpoint is generated (real SigLIP-so400m and projection widths; 1 text layer, 1 conformer block
 and --vision-layers SigLIP layers instead of 27, to keep the files small) unless --checkpoint points at one. Two
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -29,24 +28,19 @@ import numpy as np
 import onnx_ir as ir
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
+from benchmarks.common import RESULTS_DIR, cpu_session, machine_info, time_in_turn, write_json
+from builder_plugin.checkpoint.reader import CheckpointReader
+from builder_plugin.checkpoint.routing import route_weights
+from builder_plugin.components.vision import VISION_FILENAME, VisionBuilder
+from builder_plugin.config import Phi4MMConfig
+from builder_plugin.options import BuildOptions
+from builder_plugin.reference.model import Reference
+from builder_plugin.spec import Component
+from builder_plugin.testing.make_checkpoint import make_checkpoint
+from builder_plugin.testing.media import make_image
+from tests.support.processor import processor_inputs
 
-from common import cpu_session, machine_info, time_in_turn, write_json  # noqa: E402
-
-from builder_plugin.checkpoint.reader import CheckpointReader  # noqa: E402
-from builder_plugin.checkpoint.routing import route_weights  # noqa: E402
-from builder_plugin.components.vision import VISION_FILENAME, VisionBuilder  # noqa: E402
-from builder_plugin.config import Phi4MMConfig  # noqa: E402
-from builder_plugin.options import BuildOptions  # noqa: E402
-from builder_plugin.reference.model import Reference  # noqa: E402
-from builder_plugin.spec import Component  # noqa: E402
-from builder_plugin.testing.make_checkpoint import make_checkpoint  # noqa: E402
-from builder_plugin.testing.media import make_image  # noqa: E402
-from builder_plugin.testing.processor import processor_inputs  # noqa: E402
-
-RESULTS = ROOT / "benchmarks" / "results" / "vision.json"
+RESULTS = RESULTS_DIR / "vision.json"
 GRAPH_INPUTS = ("pixel_values", "image_attention_mask", "image_sizes")
 IMAGES = {"448x448": (448, 448), "896x896": (896, 896)}
 

@@ -1,5 +1,6 @@
-"""Shared helpers for the benchmark scripts: timing summaries, peak RSS, the machine description, a memory-bandwidth
-probe, and JSON / Markdown output (including replacing one section of docs/benchmarks.md).
+"""Shared helpers for the benchmark scripts: where things are (the repository root, the results folder, the docs page),
+timing summaries, peak RSS, the machine description, a memory-bandwidth probe, and JSON / Markdown output (including
+replacing one section of docs/benchmarks.md).
 
 Standard library and numpy only, so every benchmark (and its worker subprocesses) can import it cheaply.
 """
@@ -25,6 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]  # the repository root: `python -m benchmarks.<script>` runs from here
+RESULTS_DIR = ROOT / "benchmarks" / "results"
+BENCHMARKS_DOC = ROOT / "docs" / "benchmarks.md"
 
 GB = 1e9
 GIB = 1 << 30
@@ -339,7 +344,7 @@ def greedy_text_answer(package: str | Path, question: str, new_tokens: int,
 def git_state(*paths: str) -> dict[str, Any]:
     """The checkout's commit and its modified files (under `paths` when given), for a result to name its code."""
     def git(*arguments: str) -> str:
-        done = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[1]), *arguments],
+        done = subprocess.run(["git", "-C", str(ROOT), *arguments],
                               capture_output=True, text=True)
         return done.stdout.strip()
 
@@ -349,7 +354,7 @@ def git_state(*paths: str) -> dict[str, Any]:
 
 def command_line(script: str, argv: Sequence[str] | None) -> str:
     """The command that ran a benchmark, as the reports quote it."""
-    return f"python benchmarks/{script} " + shlex.join(sys.argv[1:] if argv is None else argv)
+    return f"python -m benchmarks.{script.removesuffix('.py')} " + shlex.join(sys.argv[1:] if argv is None else argv)
 
 
 def publish(results: dict[str, Any], out: str | Path, doc: str, heading: str, body: str) -> None:
@@ -358,3 +363,20 @@ def publish(results: dict[str, Any], out: str | Path, doc: str, heading: str, bo
     print(body)
     if doc:
         replace_markdown_section(doc, heading, body)
+
+
+def measure_or_replay(args: Any, argv: Sequence[str] | None, script: str, heading: str,
+                      run: Callable[[Any], dict[str, Any]], report: Callable[[dict[str, Any]], str]) -> int:
+    """The end of a benchmark's main with --out, --doc, --note and --from-json: publish an earlier results file (its
+    note replaced when --note is given), or `run(args)` and publish what it measured with the command, the checkout
+    and the machine."""
+    if args.from_json:
+        results = json.loads(Path(args.from_json).read_text(encoding="utf-8"))
+        if args.note is not None:
+            results["note"] = args.note
+    else:
+        results = run(args)
+        results.update(command=command_line(script, argv), git=git_state(), machine=machine_info(),
+                       note=args.note or "")
+    publish(results, args.out, args.doc, heading, report(results))
+    return 0

@@ -1,7 +1,7 @@
 """Device check for GPU packages (cuda, dml, webgpu): run on a machine with that GPU, in one command.
 
-    python benchmarks/device_check.py --ep cuda [--precision fp16|int4] [--work DIR] [--checkpoint DIR]
-    python benchmarks/device_check.py --ep cpu --precision fp32      # a dry run of the script itself, on the CPU
+    python -m benchmarks.device_check --ep cuda [--precision fp16|int4] [--work DIR] [--checkpoint DIR]
+    python -m benchmarks.device_check --ep cpu --precision fp32      # a dry run of the script itself, on the CPU
 
 This machine class has no GPU, so the CPU test suite only builds and checks GPU graphs (onnx.checker, shape
 inference). This script does what it cannot: it builds a routed package for the execution provider from a tiny
@@ -31,9 +31,6 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 MIN_COSINE = {"fp32": 0.99999, "fp16": 0.999, "int4": 0.95}  # device logits against the fp32 CPU package's
 MODES = {"text": ((), ()), "image": (("photo.png",), ()), "audio": ((), ("clip.wav",)),

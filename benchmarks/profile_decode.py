@@ -1,7 +1,7 @@
 """Where a decode step's time goes: onnxruntime's own profiler over the text decoder, per operator type, with the
 thread count Chat and the server choose (one per physical core this process may use, no spinning).
 
-    python benchmarks/profile_decode.py PKG [--steps 30] [--lock /work/fullsize.lock] [--label NAME]
+    python -m benchmarks.profile_decode PKG [--steps 30] [--lock /work/fullsize.lock] [--label NAME]
                                         [--doc docs/benchmarks.md]
 
 One process: the package loaded with Chat's thread overlay plus `enable_profiling` on the decoder session, a text
@@ -24,15 +24,24 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import GB, command_line, git_state, machine_info, machine_markdown, markdown_table, publish, read_probe_gb_s
-from runtime_bench.decoder_graph import decode_weight_bytes
-
+from benchmarks.common import (
+    BENCHMARKS_DOC,
+    GB,
+    RESULTS_DIR,
+    ROOT,
+    command_line,
+    git_state,
+    machine_info,
+    machine_markdown,
+    markdown_table,
+    publish,
+    read_probe_gb_s,
+)
+from benchmarks.runtime_bench.decoder_graph import decode_weight_bytes
 from builder_plugin.layout import GENAI_CONFIG_FILE
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "benchmarks" / "results" / "decode_profile.json"
-DOC = ROOT / "docs" / "benchmarks.md"
+RESULTS = RESULTS_DIR / "decode_profile.json"
+DOC = BENCHMARKS_DOC
 HEADING = "## Decode profile"
 PROMPT = "<|user|>Write a long story about a lighthouse keeper and the ships she watches.<|end|><|assistant|>"
 MATMULS = ("MatMul", "MatMulNBits")
@@ -137,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give at least one package folder")
     packages = {}
     for package in args.packages:
-        command = [sys.executable, __file__, "--worker", package, "--steps", str(args.steps)]
+        command = [sys.executable, "-m", __spec__.name, "--worker", package, "--steps", str(args.steps)]
         if args.lock:
             command = ["flock", args.lock, *command]
         done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)

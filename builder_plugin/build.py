@@ -9,7 +9,6 @@ the output only when everything succeeded.
 
 from __future__ import annotations
 
-import importlib
 import resource
 import shutil
 import sys
@@ -21,9 +20,13 @@ from pathlib import Path
 from builder_plugin.checkpoint.files import check_tokenizer
 from builder_plugin.checkpoint.reader import CheckpointReader, TensorRef
 from builder_plugin.checkpoint.routing import route_weights
-from builder_plugin.components.base import BUILDERS, BuildOutput, ComponentBuilder, DecoderRuntimeSettings
+from builder_plugin.components.base import BuildOutput, ComponentBuilder, DecoderRuntimeSettings
+from builder_plugin.components.decoder import DecoderBuilder
+from builder_plugin.components.embedding import EmbeddingBuilder
+from builder_plugin.components.speech import SpeechBuilder
+from builder_plugin.components.vision import VisionBuilder
 from builder_plugin.config import Phi4MMConfig
-from builder_plugin.errors import BuildError, InputError
+from builder_plugin.errors import InputError
 from builder_plugin.layout import (
     DATA_FILES,
     GENAI_CONFIG_FILE,
@@ -43,8 +46,14 @@ from builder_plugin.runtime.manifest import FORMAT_VERSION, Manifest, provenance
 from builder_plugin.spec import Component, IOSpec, check_io
 from genai_config import make_genai_config, speech_processor_config, vision_processor_config, write_json
 
-BUILD_ORDER = (Component.VISION, Component.SPEECH, Component.EMBEDDING, Component.DECODER)
-COMPONENT_MODULES = {c: f"builder_plugin.components.{c.value}" for c in Component}
+# The builder of each component, in the order a build runs them.
+BUILDERS: dict[Component, type[ComponentBuilder]] = {
+    Component.VISION: VisionBuilder,
+    Component.SPEECH: SpeechBuilder,
+    Component.EMBEDDING: EmbeddingBuilder,
+    Component.DECODER: DecoderBuilder,
+}
+BUILD_ORDER = tuple(BUILDERS)
 COPIED_FILES = (*TOKENIZER_FILES, GENERATION_CONFIG_FILE)  # from the checkpoint into the package, as they are
 
 
@@ -65,13 +74,6 @@ class BuildResult:
 
 
 def builder_class(component: Component) -> type[ComponentBuilder]:
-    if component not in BUILDERS:
-        try:
-            importlib.import_module(COMPONENT_MODULES[component])
-        except ModuleNotFoundError as exc:
-            if exc.name != COMPONENT_MODULES[component]:
-                raise
-            raise BuildError(f"the {component.value} model builder is not available in this version") from exc
     return BUILDERS[component]
 
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 from builder_plugin import __version__
 from builder_plugin.errors import BuildError, InputError
+from builder_plugin.extra_options import EXTRA_OPTIONS, check_extra_options
 from builder_plugin.layout import Component
 from builder_plugin.options import LORA_CHOICES, BuildOptions
 from builder_plugin.precisions import EXECUTION_PROVIDERS, PRECISIONS
-from builder_plugin.quant.choices import ALGO_CONFIGS, DEFAULT_ALGO_CONFIG
-from builder_plugin.quant.extra_options import EXTRA_OPTIONS, check_extra_options
+from builder_plugin.quant_choices import ALGO_CONFIGS, DEFAULT_ALGO_CONFIG
 from builder_plugin.units import human
 
 COMPONENT_ALIASES: dict[str, frozenset[Component]] = {

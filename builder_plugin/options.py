@@ -7,10 +7,16 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any, Literal
 
+from builder_plugin.extra_options import check_extra_options
 from builder_plugin.layout import Component
-from builder_plugin.precisions import QUANTIZED_PRECISIONS, ExecutionProvider, Precision, io_dtype
-from builder_plugin.quant.choices import DEFAULT_ALGO_CONFIG
-from builder_plugin.quant.extra_options import check_extra_options
+from builder_plugin.precisions import (
+    QUANTIZED_PRECISIONS,
+    ExecutionProvider,
+    Precision,
+    default_accuracy_level,
+    io_dtype,
+)
+from builder_plugin.quant_choices import DEFAULT_ALGO_CONFIG
 
 LoraChoice = Literal["routed", "split", "vision", "speech", "none", "vision+speech"]
 
@@ -45,6 +51,7 @@ class BuildOptions:
     # again. None: parsed on first use.
     parsed_extra_options: dict[str, Any] | None = field(default=None, repr=False, compare=False)
     source: dict[str, Any] | None = None  # where the checkpoint came from (hub.ModelSource.provenance)
+    jobs: int | None = None  # threads that quantize; None: the cores this process may use
 
     @property
     def source_record(self) -> dict[str, Any]:
@@ -62,7 +69,6 @@ class BuildOptions:
         if self.quantize:
             options["algo_config"] = self.algo_config
         return {"name": "builder_plugin", "version": __version__, "options": options}
-    jobs: int | None = None  # threads that quantize; None: the cores this process may use
 
     @property
     def io_dtype(self) -> str:
@@ -76,20 +82,35 @@ class BuildOptions:
 
     @cached_property
     def extra(self) -> dict[str, Any]:
-        """--extra_options parsed (once), with their defaults (quant.extra_options.EXTRA_OPTIONS); InputError for a
+        """--extra_options parsed (once), with their defaults (extra_options.EXTRA_OPTIONS); InputError for a
         bad key or value."""
         if self.parsed_extra_options is not None:
             return self.parsed_extra_options
         return check_extra_options(self.extra_options, self.precision)
+
+    # The quantization options, typed: the keys of `extra` are read here only.
 
     @property
     def block_size(self) -> int:
         return self.extra["block_size"]
 
     @property
+    def is_symmetric(self) -> bool:
+        return self.extra["is_symmetric"]
+
+    @property
+    def nodes_to_exclude(self) -> frozenset[str]:
+        return self.extra["nodes_to_exclude"]
+
+    @property
+    def matmul_mixed_precision(self) -> dict[str, str]:
+        """selector -> quant type, as --extra_options matmul_mixed_precision gives them (algo_config's alias aside)."""
+        return self.extra["matmul_mixed_precision"]
+
+    @property
     def accuracy_level(self) -> int:
         chosen = self.extra["accuracy_level"]
-        return chosen if chosen is not None else (4 if self.execution_provider in ("cpu", "webgpu") else 0)
+        return chosen if chosen is not None else default_accuracy_level(self.execution_provider)
 
     @property
     def algo_config(self) -> str:

@@ -25,6 +25,12 @@ def io_dtype(precision: str, execution_provider: str) -> str:
     return "float16"
 
 
+def default_accuracy_level(execution_provider: str) -> int:
+    """MatMulNBits' accuracy_level when --extra_options does not set one, as the stock builder chooses it: 4 (int8
+    activations per block) on cpu and webgpu, else 0."""
+    return 4 if execution_provider in ("cpu", "webgpu") else 0
+
+
 def lowest(precisions: list[str] | tuple[str, ...]) -> str:
     """The precision with the fewest bits per weight."""
     return min(precisions, key=PRECISION_BITS.__getitem__)

@@ -29,21 +29,23 @@ TINY_SEED = 0
 # search.max_length of the shared packages: a short KV cache keeps every generator cheap.
 TINY_PACKAGE_MAX_LENGTH = 4096
 
-_BUILT_PACKAGES: dict[tuple[Path, str], Path] = {}
+_BUILT_PACKAGES: dict[tuple[Path, str, str], Path] = {}
 
 
-def build_tiny_package(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path, lora: str = "routed") -> Path:
-    """The fp32 CPU package of `checkpoint` (default --lora routed: one self-routing decoder), built once per
+def build_tiny_package(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path, lora: str = "routed",
+                       precision: str = "fp32") -> Path:
+    """The CPU package of `checkpoint` (default: fp32, --lora routed: one self-routing decoder), built once per
     session."""
-    if (checkpoint, lora) not in _BUILT_PACKAGES:
+    key = (checkpoint, lora, precision)
+    if key not in _BUILT_PACKAGES:
         from builder_plugin.build import build
         from builder_plugin.options import BuildOptions
 
-        output = tmp_path_factory.mktemp("package") / f"{checkpoint.name}-{lora}"
-        options = BuildOptions(model_dir=checkpoint, output_dir=output, precision="fp32", execution_provider="cpu",
+        output = tmp_path_factory.mktemp("package") / f"{checkpoint.name}-{lora}-{precision}"
+        options = BuildOptions(model_dir=checkpoint, output_dir=output, precision=precision, execution_provider="cpu",
                                max_length=TINY_PACKAGE_MAX_LENGTH, lora=lora)
-        _BUILT_PACKAGES[checkpoint, lora] = build(options, progress=False).output_dir
-    return _BUILT_PACKAGES[checkpoint, lora]
+        _BUILT_PACKAGES[key] = build(options, progress=False).output_dir
+    return _BUILT_PACKAGES[key]
 
 
 @pytest.fixture(scope="session")
@@ -106,6 +108,12 @@ def tiny_package(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path
 
 
 @pytest.fixture(scope="session")
+def tiny_int4_package(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -> Path:
+    """int4 CPU package of `tiny_checkpoint` (the default quantization, routed LoRA)."""
+    return build_tiny_package(tmp_path_factory, tiny_checkpoint, precision="int4")
+
+
+@pytest.fixture(scope="session")
 def tiny_split_package(tmp_path_factory: pytest.TempPathFactory, tiny_checkpoint: Path) -> Path:
     """fp32 CPU package of `tiny_checkpoint` with one decoder file per input mode (--lora split)."""
     return build_tiny_package(tmp_path_factory, tiny_checkpoint, lora="split")
@@ -120,7 +128,7 @@ def tiny_native_package(tmp_path_factory: pytest.TempPathFactory, tiny_native_ch
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """Fail the session if anything of ours is left in the temp folder; remove the session's temp folder."""
-    processor = sys.modules.get("builder_plugin.testing.processor")
+    processor = sys.modules.get("tests.support.processor")
     if processor is not None:  # its stubs are kept for the whole session
         processor.remove_stubs()
     left = sorted(p.name for p in SESSION_TEMP.iterdir() if not p.name.startswith(FOREIGN_TEMP_PREFIXES))

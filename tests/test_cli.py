@@ -215,8 +215,8 @@ def test_quantization_option_on_a_float_build_is_refused(tmp_path: Path, tiny_ch
 
 
 def test_every_accepted_extra_option_is_in_the_help() -> None:
-    from builder_plugin.quant.choices import ALGO_CONFIGS
-    from builder_plugin.quant.extra_options import EXTRA_OPTIONS
+    from builder_plugin.extra_options import EXTRA_OPTIONS
+    from builder_plugin.quant_choices import ALGO_CONFIGS
 
     text = " ".join(cli.make_parser().format_help().split())
     for name in [*EXTRA_OPTIONS, *ALGO_CONFIGS]:

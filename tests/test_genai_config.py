@@ -6,8 +6,8 @@ import pytest
 
 from builder_plugin.layout import GENAI_CONFIG_FILE
 from builder_plugin.spec import Component
-from builder_plugin.testing.processor import stub_package, stub_specs
 from genai_config import make_genai_config, speech_processor_config, vision_processor_config
+from tests.support.processor import stub_package, stub_specs
 
 
 def test_config_names_come_from_the_specs(tiny_config) -> None:

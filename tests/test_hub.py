@@ -1,4 +1,4 @@
-"""`-m ORG/NAME` against a local hub (builder_plugin.testing.hub_server) with the real huggingface_hub client: what
+"""`-m ORG/NAME` against a local hub (tests.support.hub_server) with the real huggingface_hub client: what
 is downloaded and where, the cache and offline use, a broken download resumed, hub errors, --revision, provenance in
 manifest.json, the disk-space check and --dry-run. Builds run as `python -m builder_plugin` with the environment a
 user sets (HF_ENDPOINT, HF_HOME, HF_HUB_OFFLINE, HF_TOKEN)."""
@@ -19,7 +19,7 @@ import pytest
 
 import builder_plugin
 from builder_plugin.layout import MANIFEST_FILE
-from builder_plugin.testing.hub_server import LocalHub
+from tests.support.hub_server import LocalHub
 
 REPO = "org/phi4mm"
 NEEDED = {"config.json", "generation_config.json", "preprocessor_config.json", "tokenizer.json",

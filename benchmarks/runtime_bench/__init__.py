@@ -1,17 +1,14 @@
-"""The parts of benchmarks/bench_runtime.py: prepare (checkpoints, packages, prompts), workers (the timed runs, one
+"""The parts of benchmarks.bench_runtime: prepare (checkpoints, packages, prompts), workers (the timed runs, one
 subprocess per engine), decoder_graph (weight bytes read per decode step), analysis (bandwidth bound, 32-layer
-estimate, targets) and report (Markdown, JSON, docs section). Imported with benchmarks/ on sys.path, like common.py.
+estimate, targets) and report (Markdown, JSON, docs section).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from builder_plugin.layout import SPLIT_DECODERS
 
-ROOT = Path(__file__).resolve().parents[2]
 # The CLI is also the entry point of the build and measurement subprocesses (--build-worker, --worker).
-SCRIPT = ROOT / "benchmarks" / "bench_runtime.py"
+MODULE = "benchmarks.bench_runtime"
 REAL_TEXT_LAYERS = 32
 BACKENDS = ("ort-fp32", "ort-int4", "torch-fp32")
 PROMPT_NAMES = ("text", "image-1crop", "image-4crops", "audio-10s")

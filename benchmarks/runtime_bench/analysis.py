@@ -6,9 +6,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from common import GB
-
-from runtime_bench import REAL_TEXT_LAYERS, ROOT, VARIANT_FILES
+from benchmarks.common import GB, RESULTS_DIR
+from benchmarks.runtime_bench import REAL_TEXT_LAYERS, VARIANT_FILES
 
 # A per-layer decode time implying more than this multiple of the numpy read bandwidth is taken as noise: onnxruntime's
 # fp32 single-row MatMul has been seen reading up to ~1.3x as fast as the numpy probe, and a faster implied layer means
@@ -228,13 +227,13 @@ def analyse_full_depth(full: dict[str, Any], rows: dict[str, dict[str, Any]], ba
 def _cited_encoder_speedups() -> list[dict[str, Any]]:
     """Encoder speed-ups from bench_vision.py / bench_speech.py results, when those files exist."""
     cited = []
-    vision = ROOT / "benchmarks" / "results" / "vision.json"
+    vision = RESULTS_DIR / "vision.json"
     if vision.is_file():
         data = json.loads(vision.read_text())
         for name, case in data.get("cases", {}).items():
             cited.append({"source": "benchmarks/results/vision.json", "case": name,
                           "speedup": case.get("speedup_fused_vs_torch"), "statistic": "median"})
-    speech = ROOT / "benchmarks" / "results" / "speech.json"
+    speech = RESULTS_DIR / "speech.json"
     if speech.is_file():
         data = json.loads(speech.read_text())
         cited.append({"source": "benchmarks/results/speech.json", "case": f"{data.get('clip_seconds')} s clip",

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from runtime_bench import REAL_TEXT_LAYERS
+from benchmarks.runtime_bench import REAL_TEXT_LAYERS
 
 _ITEMSIZE = {1: 4, 10: 2, 16: 2, 2: 1, 3: 1, 6: 4, 7: 8, 11: 8}  # onnx TensorProto data types -> bytes
 

@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from common import GB, peak_rss_bytes, write_json
-
-from runtime_bench import PRECISIONS, ROOT, SCRIPT
+from benchmarks.common import GB, ROOT, peak_rss_bytes, write_json
+from benchmarks.runtime_bench import MODULE, PRECISIONS
 
 VISION_LAYERS = 4
 AUDIO_BLOCKS = 4
@@ -108,7 +107,7 @@ def prepare_package(work: Path, checkpoint: Path, precision: str, fingerprint: s
         return folder, json.loads((folder.parent / f".{folder.name}.build.json").read_text())
     shutil.rmtree(folder, ignore_errors=True)
     info_file = folder.parent / f".{folder.name}.build.json"
-    command = [sys.executable, str(SCRIPT), "--build-worker", str(checkpoint), str(folder), precision, str(info_file)]
+    command = [sys.executable, "-m", MODULE, "--build-worker", str(checkpoint), str(folder), precision, str(info_file)]
     start = time.perf_counter()
     subprocess.run(command, check=True)
     _mark(folder, recipe)

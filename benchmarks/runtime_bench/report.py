@@ -6,10 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from common import GB, fmt, machine_markdown, markdown_table, replace_markdown_section, write_json
-
-from runtime_bench import REAL_TEXT_LAYERS
-from runtime_bench.analysis import PLAUSIBLE_BANDWIDTH_FACTOR, analyse, analyse_full_depth, read_and_copy
+from benchmarks.common import GB, fmt, machine_markdown, markdown_table, replace_markdown_section, write_json
+from benchmarks.runtime_bench import REAL_TEXT_LAYERS
+from benchmarks.runtime_bench.analysis import PLAUSIBLE_BANDWIDTH_FACTOR, analyse, analyse_full_depth, read_and_copy
 
 
 def publish(result: dict[str, Any], out: Path, doc: Path) -> int:

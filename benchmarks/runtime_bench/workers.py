@@ -13,12 +13,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import cpu_session, peak_rss_bytes, reset_peak_rss, summarize, time_in_turn, write_json
-
+from benchmarks.common import cpu_session, peak_rss_bytes, reset_peak_rss, summarize, time_in_turn, write_json
+from benchmarks.runtime_bench import MODULE
+from benchmarks.runtime_bench.prepare import Prompt
 from builder_plugin.layout import GENAI_CONFIG_FILE, GRAPH_FILES, Component
 from builder_plugin.runtime.threads import thread_overlay
-from runtime_bench import SCRIPT
-from runtime_bench.prepare import Prompt
 
 WARM_UP_PROMPT = "<|user|>Hello there.<|end|><|assistant|>"
 
@@ -179,7 +178,7 @@ def _torch_worker(job: dict[str, Any]) -> dict[str, Any]:
     from transformers.cache_utils import DynamicCache
 
     from builder_plugin.reference.model import Reference
-    from builder_plugin.testing.processor import processor_inputs
+    from tests.support.processor import processor_inputs
 
     torch.set_num_threads(int(job["threads"]))
     checkpoint = Path(job["checkpoint"])
@@ -219,7 +218,7 @@ def _torch_case(reference: Any, step: Any, case: dict[str, Any], checkpoint: Pat
     import torch
     from transformers.cache_utils import DynamicCache
 
-    from builder_plugin.testing.processor import processor_inputs
+    from tests.support.processor import processor_inputs
 
     embed_tokens = reference.model.model.embed_tokens
     inputs = processor_inputs(checkpoint, case["text"], images=case["images"], audios=case["audios"])
@@ -284,7 +283,7 @@ def run_worker(job: dict[str, Any], work: Path) -> dict[str, Any]:
     result_file.unlink(missing_ok=True)
     write_json(job_file, job)
     start = time.perf_counter()
-    subprocess.run([sys.executable, str(SCRIPT), "--worker", str(job_file), str(result_file)], check=True)
+    subprocess.run([sys.executable, "-m", MODULE, "--worker", str(job_file), str(result_file)], check=True)
     result = json.loads(result_file.read_text())
     print(f"  [{job['label']}: {time.perf_counter() - start:.0f} s]", flush=True)
     return result

@@ -296,13 +296,6 @@ IGNORED: tuple[Ignored, ...] = (
 )
 
 
-@dataclass(frozen=True)
-class RoutedTensor:
-    ref: TensorRef
-    route: Route
-    source_name: str
-
-
 RoutedWeights = dict[Component, dict[str, TensorRef]]
 
 
@@ -330,7 +323,7 @@ def ignored_prefixes(config: Phi4MMConfig) -> list[tuple[str, str]]:
     return out
 
 
-def route_weights(tensors: Mapping[str, TensorRef], config: Phi4MMConfig, check_all: bool = True) -> RoutedWeights:
+def route_weights(tensors: Mapping[str, TensorRef], config: Phi4MMConfig) -> RoutedWeights:
     """Route every checkpoint tensor to its component(s).
 
     Raises RoutingError naming the tensors that match no route (unknown) or that the config requires but the
@@ -350,15 +343,14 @@ def route_weights(tensors: Mapping[str, TensorRef], config: Phi4MMConfig, check_
         claimed.add(source)
     if missing:
         raise RoutingError(_name_list("checkpoint lacks", missing))
-    if check_all:
-        ignored = ignored_prefixes(config)
-        unknown = [
-            name
-            for name in tensors
-            if name not in claimed and not any(_matches_ignored(name, pattern) for pattern, _ in ignored)
-        ]
-        if unknown:
-            raise RoutingError(_name_list("checkpoint has unexpected", unknown))
+    ignored = ignored_prefixes(config)
+    unknown = [
+        name
+        for name in tensors
+        if name not in claimed and not any(_matches_ignored(name, pattern) for pattern, _ in ignored)
+    ]
+    if unknown:
+        raise RoutingError(_name_list("checkpoint has unexpected", unknown))
     return routed
 
 

@@ -22,8 +22,6 @@ from builder_plugin.quant.plan import QuantPlan
 from builder_plugin.quant.weights import QuantizationCache
 from builder_plugin.spec import Component, IOSpec
 
-BUILDERS: dict[Component, type[ComponentBuilder]] = {}
-
 
 @dataclass(frozen=True)
 class DecoderRuntimeSettings:
@@ -49,7 +47,6 @@ class ComponentBuilder(ABC):
         super().__init_subclass__(**kwargs)
         if "component" not in cls.__dict__:
             raise TypeError(f"{cls.__name__} must declare its `component`")
-        BUILDERS[cls.component] = cls
 
     def __init__(self, config: Phi4MMConfig, options: BuildOptions,
                  quant_cache: QuantizationCache | None = None) -> None:

@@ -1,11 +1,11 @@
 """int4/int8 weight quantization, as the stock onnxruntime-genai builder chooses and onnxruntime computes it.
 
-- `choices`: the methods, algo_config aliases, block sizes and mixed-precision selectors (standard library only);
-- `extra_options`: the --extra_options table, parsed once before any work (standard library only);
-- `plan`: which scheme each MatMul node gets (`QuantPlan`);
-- `kernels`: onnxruntime's block routines per method; `k_quant`: its k-quant search on many cores;
+- `plan`: which scheme each MatMul node gets (`QuantPlan`, from the typed `BuildOptions`);
+- `kernels`: onnxruntime's block routines per method; `k_quant`: its k-quant search on many cores (`k_quant_numba`:
+  the same search compiled);
 - `weights`: quantized weights as lazy tensors, shared between graphs (`QuantizationCache`);
 - `matmul`: the graph rewrite MatMul -> MatMulNBits, and whether a graph wants CPU prepacking.
 
-This module imports nothing, so the command line reads `choices` and `extra_options` without numpy or onnx.
+The options' vocabulary (methods, algo_config aliases, block sizes) is `builder_plugin.quant_choices`, and the
+--extra_options table `builder_plugin.extra_options`: both sit below `options`, which this package reads.
 """

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from builder_plugin.quant.choices import METHODS, QUANT_TYPE_BITS
 from builder_plugin.quant.k_quant import BlockPool, k_quant_weight
+from builder_plugin.quant_choices import METHODS, QUANT_TYPE_BITS
 
 BITS_CHOICES = tuple(QUANT_TYPE_BITS.values())
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 import onnx_ir as ir
 
 from builder_plugin.options import BuildOptions
-from builder_plugin.quant.choices import ALGO_CONFIGS, QUANT_TYPE_BITS
 from builder_plugin.quant.kernels import QuantScheme
+from builder_plugin.quant_choices import ALGO_CONFIGS, QUANT_TYPE_BITS
 
 # The GenAI builder's names for the lm_head MatMul and its weight [hidden, vocab]. The embedding's quantized token table
 # is computed under the weight's name (the quantizer names its pieces after it), so it is the decoder's very tensors.
@@ -56,14 +56,13 @@ class QuantPlan:
     @classmethod
     def for_encoders(cls, options: BuildOptions) -> QuantPlan:
         method, _ = ALGO_CONFIGS[options.algo_config]
-        extra = options.extra
-        body = QuantScheme(QUANT_TYPE_BITS[options.precision], extra["block_size"], extra["is_symmetric"], method)
-        return cls(body, excluded=extra["nodes_to_exclude"])
+        body = QuantScheme(QUANT_TYPE_BITS[options.precision], options.block_size, options.is_symmetric, method)
+        return cls(body, excluded=options.nodes_to_exclude)
 
     @classmethod
     def for_decoder(cls, options: BuildOptions, num_layers: int) -> QuantPlan:
         _, placement = ALGO_CONFIGS[options.algo_config]
-        placement = {**placement, **options.extra["matmul_mixed_precision"]}
+        placement = {**placement, **options.matmul_mixed_precision}
         plan = cls.for_encoders(options)
         node_bits = {name: bits for name, bits in mixed_precision_nodes(placement, num_layers).items()
                      if name not in plan.excluded}

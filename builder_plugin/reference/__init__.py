@@ -13,6 +13,8 @@ on its own. Semantics reproduced from the original ``Phi4MMForCausalLM``:
 - Decoding is prefill plus one-token KV-cached steps, never ``generate()``.
 
 Modules: `native_config` (config.json -> Phi4MultimodalConfig), `keys` (original -> native tensor names),
-`checkpoint` (tensors and adapters read from a folder), `features` (encoders and the placeholder scatter), `model`
-(`Reference`: LoRA merging, logits, greedy decoding), `errors`.
+`checkpoint` (a folder's tensors and adapters, read on demand; the native model's names and shapes checked; the LoRA
+merge), `features` (encoders and the placeholder scatter), `model` (`Reference`: the whole model in memory, LoRA
+merging, logits, greedy decoding), `streaming` (`StreamingReference`: the same modules a decoder layer at a time,
+teacher-forced, for checkpoints of any size: verify's yardstick), `errors`.
 """

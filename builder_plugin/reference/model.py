@@ -15,7 +15,7 @@ from transformers import Phi4MultimodalConfig, Phi4MultimodalForCausalLM
 from transformers.cache_utils import DynamicCache
 
 from builder_plugin.layout import MODE_LORA, mode_of
-from builder_plugin.reference.checkpoint import LoraAdapter, read_checkpoint
+from builder_plugin.reference.checkpoint import LoraAdapter, merge_lora, open_checkpoint
 from builder_plugin.reference.errors import ReferenceModelError
 from builder_plugin.reference.features import (
     as_tensor,
@@ -67,27 +67,18 @@ class Reference:
 
     @classmethod
     def load(cls, checkpoint_dir: str | Path) -> Reference:
-        checkpoint = read_checkpoint(Path(checkpoint_dir))
-        config, state, adapters = checkpoint.config, checkpoint.state, checkpoint.adapters
-        model = cls._build_model(config, state)
-        targets = {name for name, _ in model.named_parameters() if LORA_TARGET.fullmatch(name.removesuffix(".weight"))}
-        for adapter in adapters.values():
-            stray = set(adapter.weights) - {t.removesuffix(".weight") for t in targets}
-            if stray:
-                raise ReferenceModelError(f"{adapter.name} LoRA targets unknown modules: {sorted(stray)[:5]}")
-            for module, (a, b) in adapter.weights.items():
-                weight = model.get_parameter(module + ".weight")
-                if (b.shape[0], a.shape[1]) != tuple(weight.shape):
-                    shape = (b.shape[0], a.shape[1])
-                    raise ReferenceModelError(
-                        f"{adapter.name} LoRA for {module}: B@A {shape} vs weight {tuple(weight.shape)}"
-                    )
-        base_weights = {name: state[name] for name in sorted(targets)}
-        return cls(model, base_weights, adapters, checkpoint.source_format)
+        checkpoint = open_checkpoint(Path(checkpoint_dir))
+        with torch.device("meta"):
+            checkpoint.check(Phi4MultimodalForCausalLM(checkpoint.config))
+        state = {name: tensor.load() for name, tensor in checkpoint.tensors.items()}
+        model = cls._build_model(checkpoint.config, state)
+        targets = sorted(name for name, _ in model.named_parameters()
+                         if LORA_TARGET.fullmatch(name.removesuffix(".weight")))
+        adapters = {name: adapter.loaded() for name, adapter in checkpoint.adapters.items()}
+        return cls(model, {name: state[name] for name in targets}, adapters, checkpoint.source_format)
 
     @staticmethod
     def _build_model(config: Phi4MultimodalConfig, state: dict[str, torch.Tensor]) -> Phi4MultimodalForCausalLM:
-        config._attn_implementation = "eager"  # sdpa makes SigLIP causal; the original attends both ways
         # Build on the meta device (no random init), then assign the checkpoint tensors upcast to fp32.
         with torch.device("meta"):
             model = Phi4MultimodalForCausalLM(config)
@@ -140,9 +131,7 @@ class Reference:
                 if pair is None:
                     param.copy_(base.to(torch.float32))
                 else:
-                    a, b = pair
-                    merged = base.double() + adapter.scaling * (b.double() @ a.double())
-                    param.copy_(merged.to(torch.float32))
+                    param.copy_(merge_lora(base, *pair, adapter.scaling))
         self._active_lora = lora
 
     @property

@@ -24,7 +24,7 @@ from builder_plugin.runtime.errors import (
 from builder_plugin.runtime.guidance import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Guidance
 from builder_plugin.runtime.manifest import Manifest
 from builder_plugin.runtime.media import default_decoder, og_audios, og_images, open_audio, open_image
-from builder_plugin.runtime.package import Package
+from builder_plugin.runtime.package import Package, og_model
 from builder_plugin.runtime.prompt import TOOL, USER, Turn, build_prompt, check_tags, tool_results, user_content
 from builder_plugin.runtime.tokens import MAX_TOP_LOGPROBS, Alternative, TokenLogprob
 
@@ -69,6 +69,7 @@ __all__ = [
     "mode_of",
     "og_audios",
     "og_images",
+    "og_model",
     "open_audio",
     "open_image",
     "tool_results",

@@ -26,6 +26,7 @@ import onnxruntime_genai as og
 
 from builder_plugin.layout import GENAI_CONFIG_FILE, mode_of
 from builder_plugin.media import Media
+from builder_plugin.runtime import kernel_library
 from builder_plugin.runtime.conversation import AnswerMemory, Markers
 from builder_plugin.runtime.errors import (
     ChatError,
@@ -167,7 +168,7 @@ class Package:
     """A package folder opened for running (raises PackageError for what cannot be run)."""
 
     def __init__(self, package_dir: str | Path, max_length: int | None = None, execution_provider: str | None = None,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, kernels: bool | None = None) -> None:
         self.dir = Path(package_dir).expanduser()
         self.execution_provider = execution_provider
         self.threads = threads  # intra-op threads of every session; None: one per physical core the process may use
@@ -191,8 +192,11 @@ class Package:
             self.kv_bytes_per_token = kv_bytes_per_token(self.genai_config, self.manifest.builder)
         except (ValueError, KeyError, TypeError) as exc:
             raise PackageError(f"cannot read the decoder's shape in {config_path}: {exc}") from exc
+        # the project's MatMulNBits kernel, where it helps (runtime/kernel_library.py; kernels False: never)
+        self.kernel_library = kernel_library.for_package(self.manifest.builder, execution_provider, kernels)
         try:
-            self.thread_overlay = thread_overlay(self.genai_config, threads)
+            self.thread_overlay = thread_overlay(self.genai_config, threads,
+                                                 kernel_library.session_options(self.kernel_library))
         except ValueError as exc:
             raise PackageError(str(exc)) from exc
         if max_length is not None and not 0 < max_length <= self.context_length:
@@ -241,6 +245,15 @@ class Package:
                 config.clear_providers()
                 if self.execution_provider != "cpu":
                     config.append_provider(self.execution_provider)
-            return LoadedModel(variant, og.Model(config), self.vocab_size)
+            with kernel_library.loading(self.kernel_library):
+                model = og.Model(config)
+            return LoadedModel(variant, model, self.vocab_size)
         except RuntimeError as exc:
             raise PackageError(f"cannot load {self.dir / variant}: {first_line(exc)}") from exc
+
+
+def og_model(package_dir: str | Path, threads: int | None = None, kernels: bool | None = None) -> Any:
+    """The og.Model of a package's main decoder as Chat loads it (one thread per physical core, the project's
+    MatMulNBits kernel where it helps), for an app that runs onnxruntime-genai itself."""
+    package = Package(package_dir, threads=threads, kernels=kernels)
+    return package.load(package.main_decoder).model

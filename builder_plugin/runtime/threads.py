@@ -45,9 +45,10 @@ def default_threads() -> int:
     return available_cores()
 
 
-def thread_overlay(genai_config: Mapping[str, Any], threads: int | None = None) -> dict[str, Any]:
+def thread_overlay(genai_config: Mapping[str, Any], threads: int | None = None,
+                   extra: Mapping[str, str] | None = None) -> dict[str, Any]:
     """The ``model`` part of an og.Config overlay giving every session `threads` intra-op threads (None:
-    `default_threads()`, except where the package itself sets a count) and no spinning."""
+    `default_threads()`, except where the package itself sets a count), no spinning, and the `extra` options."""
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads must be a positive integer, not {threads!r}")
     count = default_threads() if threads is None else threads
@@ -61,6 +62,7 @@ def thread_overlay(genai_config: Mapping[str, Any], threads: int | None = None) 
         chosen = {} if threads is None and THREADS_KEY in own else {THREADS_KEY: count}  # a package's count is kept
         if SPINNING_KEY not in own:
             chosen[SPINNING_KEY] = NO_SPINNING
+        chosen.update(extra or {})
         if not chosen:
             continue
         if section == Component.DECODER.value:

@@ -69,12 +69,6 @@ class TokenBytes:
             table[int(added["id"])] = added["content"].encode("utf-8")
         return table
 
-    @cached_property
-    def added(self) -> frozenset[str]:
-        """The added tokens' texts (the chat markers, the tool tokens...)."""
-        data = json.loads(self.path.read_text(encoding="utf-8"))
-        return frozenset(added["content"] for added in data.get("added_tokens", []))
-
     def of(self, token_id: int) -> bytes:
         return self._table.get(int(token_id), b"")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from builder_plugin import __version__
-from builder_plugin.verify.modes import MODES, parse_modes
+from builder_plugin.verify.modes import VERIFY_MODES, parse_modes
 
 if TYPE_CHECKING:
     from builder_plugin.verify.report import Report
@@ -33,7 +33,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("package", type=Path, help="the built package folder")
     p.add_argument("--checkpoint", type=Path, required=True,
                    help="the checkpoint folder it was built from (original or transformers-native layout)")
-    p.add_argument("--modes", type=_modes, help=f"comma-separated subset of {','.join(MODES)} (default: all the "
+    p.add_argument("--modes", type=_modes, help=f"comma-separated subset of {','.join(VERIFY_MODES)} (default: all the "
                    "package supports)")
     # One value per option, repeated for several: a list option would swallow the package folder after it.
     p.add_argument("--image", action="append", type=Path, default=[], metavar="FILE",
@@ -71,12 +71,12 @@ def verify(args: argparse.Namespace) -> Report:
     from builder_plugin.layout import GENAI_CONFIG_FILE
     from builder_plugin.memory import MemorySampler
     from builder_plugin.precisions import lowest
+    from builder_plugin.reference.streaming import StreamingReference, TeacherForced
     from builder_plugin.runtime import ChatError
     from builder_plugin.verify.engine import run_package
     from builder_plugin.verify.metrics import THRESHOLDS, compare, judge
     from builder_plugin.verify.package_info import check_architecture, has_speech, package_precisions
     from builder_plugin.verify.prompts import build_cases
-    from builder_plugin.verify.reference import StreamingReference, TeacherForced
     from builder_plugin.verify.report import Report
 
     bars_off = True if args.no_progress else None  # None: bars on a terminal only, no \r-lines in a log
@@ -90,12 +90,12 @@ def verify(args: argparse.Namespace) -> Report:
         raise ChatError(f"not a model package (no {GENAI_CONFIG_FILE}): {package}")
     if not (args.checkpoint / "config.json").is_file():
         raise BuildError(f"not a checkpoint folder (no config.json): {args.checkpoint}")
-    # The reference indexes and routes the checkpoint first (cheap), so a broken one fails before any model runs.
+    # The reference reads the checkpoint's headers first (cheap), so a broken one fails before any model runs.
     reference = StreamingReference(args.checkpoint)
     check_architecture(package, reference.config)
     graphs = package_precisions(package)
     precision = lowest(list(graphs.values()))
-    modes = args.modes or MODES
+    modes = args.modes or VERIFY_MODES
     if not has_speech(package):
         if args.modes and any("audio" in m for m in args.modes):
             raise ChatError("the package has no speech model, so it cannot take audio; choose --modes text,image")
@@ -123,7 +123,7 @@ def verify(args: argparse.Namespace) -> Report:
                for r, want in zip(runs, reference_logits)]
     threshold = THRESHOLDS[precision]
     verdicts = [judge(mode, [m for m in metrics if m.mode == mode], threshold) for mode in modes]
-    return Report(str(package), str(args.checkpoint), reference.config.source_format, precision, graphs, threshold,
+    return Report(str(package), str(args.checkpoint), reference.checkpoint.source_format, precision, graphs, threshold,
                   args.max_new_tokens, verdicts, metrics, timings, peak_gb, private_gb)
 
 

@@ -8,8 +8,8 @@ import json
 from pathlib import Path
 
 import onnx
+from transformers import Phi4MultimodalConfig
 
-from builder_plugin.config import Phi4MMConfig
 from builder_plugin.layout import GENAI_CONFIG_FILE, MAIN_DECODER, SPLIT_DECODERS
 
 _FLOAT_TYPES = {onnx.TensorProto.FLOAT: "fp32", onnx.TensorProto.FLOAT16: "fp16", onnx.TensorProto.BFLOAT16: "fp16"}
@@ -49,16 +49,19 @@ class ArchitectureMismatchError(ValueError):
     """The package was not built from a checkpoint of this architecture."""
 
 
-def check_architecture(package: Path, config: Phi4MMConfig) -> None:
+def check_architecture(package: Path, config: Phi4MultimodalConfig) -> None:
+    """The decoder shape genai_config.json declares is the checkpoint's (its native config, as the reference reads
+    it)."""
     model = json.loads((package / GENAI_CONFIG_FILE).read_text(encoding="utf-8"))["model"]
-    decoder, text = model.get("decoder", {}), config.text
+    decoder = model.get("decoder", {})
+    head_size = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     expected = {
-        "vocab_size": (model.get("vocab_size"), text.vocab_size),
-        "hidden_size": (decoder.get("hidden_size"), text.hidden_size),
-        "num_hidden_layers": (decoder.get("num_hidden_layers"), text.num_hidden_layers),
-        "num_attention_heads": (decoder.get("num_attention_heads"), text.num_attention_heads),
-        "num_key_value_heads": (decoder.get("num_key_value_heads"), text.num_key_value_heads),
-        "head_size": (decoder.get("head_size"), text.head_dim),
+        "vocab_size": (model.get("vocab_size"), config.vocab_size),
+        "hidden_size": (decoder.get("hidden_size"), config.hidden_size),
+        "num_hidden_layers": (decoder.get("num_hidden_layers"), config.num_hidden_layers),
+        "num_attention_heads": (decoder.get("num_attention_heads"), config.num_attention_heads),
+        "num_key_value_heads": (decoder.get("num_key_value_heads"), config.num_key_value_heads),
+        "head_size": (decoder.get("head_size"), head_size),
     }
     wrong = [f"{key} {got} vs {want}" for key, (got, want) in expected.items() if got != want]
     if wrong:

@@ -10,7 +10,6 @@ from pathlib import Path
 from builder_plugin.media import Media
 from builder_plugin.runtime.media import open_audio, open_image
 from builder_plugin.testing.media import make_image, make_wav
-from builder_plugin.verify.modes import MODES  # noqa: F401  - re-exported: a Case is in one of MODES
 
 BUILTIN_PROMPTS: dict[str, str] = {
     "text": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
@@ -27,7 +26,7 @@ BUILTIN_AUDIO = ("builtin-tones-2s-16k.wav", 2.0, 16000)
 @dataclass(frozen=True)
 class Case:
     name: str
-    mode: str  # one of MODES
+    mode: str  # one of verify.modes.VERIFY_MODES
     question: str
     images: tuple[Media, ...] = ()  # decoded safely (runtime.open_image): the package is given canonical bytes
     audios: tuple[Media, ...] = ()

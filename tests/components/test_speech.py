@@ -28,7 +28,7 @@ from builder_plugin.layout import AUDIO_FEATURES
 from builder_plugin.options import BuildOptions
 from builder_plugin.spec import Component, check_io
 from builder_plugin.testing.media import make_wav
-from builder_plugin.testing.processor import processor_inputs
+from tests.support.processor import processor_inputs
 
 ATOL = 1e-4
 PROJECTIONS = {2: "speech", 3: "vision"}  # audio_projection_mode -> the reference's projection pair

@@ -16,7 +16,7 @@ from builder_plugin.components.vision import VISION_FILENAME, VisionBuilder
 from builder_plugin.config import Phi4MMConfig
 from builder_plugin.options import BuildOptions
 from builder_plugin.spec import Component, check_io
-from builder_plugin.testing.processor import processor_inputs
+from tests.support.processor import processor_inputs
 
 ATOL = 1e-4
 FUSED_VS_UNFUSED_ATOL = 1e-5

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from builder_plugin.reference.checkpoint import read_safetensors_dir, split_original
+from builder_plugin.reference.checkpoint import open_checkpoint
 from builder_plugin.reference.errors import ReferenceModelError
 from builder_plugin.reference.model import Reference
 from builder_plugin.reference.native_config import native_config_from_original
@@ -206,7 +206,7 @@ def test_null_img_processor_means_siglip_so400m_and_release_values_override_nati
 
 
 def test_strict_load_reports_missing_and_unexpected_keys(checkpoints, ref):
-    state, _ = split_original(read_safetensors_dir(checkpoints[0]))
+    state = {name: tensor.load() for name, tensor in open_checkpoint(checkpoints[0]).tensors.items()}
     missing = dict(state)
     del missing[next(key for key in missing if key.endswith("sub_img_feature_extensor"))]
     with pytest.raises(ReferenceModelError, match="missing"):
@@ -460,7 +460,7 @@ def test_prefill_and_greedy_on_the_real_genai_processor(checkpoints, ref, tmp_pa
     import soundfile
     from PIL import Image
 
-    from builder_plugin.testing.processor import processor_inputs
+    from tests.support.processor import processor_inputs
 
     rng = np.random.default_rng(16)
     images, audios = [], []

@@ -1,6 +1,6 @@
-"""`python -m builder_plugin.verify`: a good package passes every mode, a package with the wrong decoder variant or
-damaged vision weights fails the modes it breaks (and names them), the layer-by-layer reference equals the whole-model
-Reference, both checkpoint layouts work, and bad input gives one line."""
+"""`python -m builder_plugin.verify`: a good package passes every mode, a package with the wrong decoder variant,
+damaged vision weights or a mistake in the builder's routing fails the modes it breaks (and names them), both
+checkpoint layouts work, and bad input gives one line."""
 
 from __future__ import annotations
 
@@ -14,20 +14,14 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-import torch
 
 from builder_plugin.layout import GRAPH_FILES, MAIN_DECODER, Component
-from builder_plugin.reference.features import encode_inputs
-from builder_plugin.reference.model import Reference
 from builder_plugin.testing.media import make_wav
 from builder_plugin.verify.__main__ import EXIT_MISMATCH, main, make_parser
-from builder_plugin.verify.engine import run_package
+from builder_plugin.verify.modes import VERIFY_MODES
 from builder_plugin.verify.package_info import package_precisions
-from builder_plugin.verify.prompts import MODES, build_cases
-from builder_plugin.verify.reference import StreamingReference, TeacherForced
 
 NEW_TOKENS = 8
-STREAMING_RTOL = 1e-5  # of the logit scale; measured ~3e-6 (teacher-forced vs KV-cached summation order)
 
 
 def run_verify(*args: str | Path) -> subprocess.CompletedProcess:
@@ -90,13 +84,13 @@ def test_good_package_passes_every_mode(request, tmp_path, layout):
     code, data = verify_json(tmp_path, package, checkpoint)
     assert code == 0, data["modes"]
     assert data["precision"] == "fp32" and data["checkpoint_format"] == layout
-    assert [m["mode"] for m in data["modes"]] == list(MODES)
+    assert [m["mode"] for m in data["modes"]] == list(VERIFY_MODES)
     for mode in data["modes"]:
         assert mode["passed"] and mode["top1_agreement"] == 1.0
         assert mode["positions"] == NEW_TOKENS
         assert mode["max_relative_diff"] <= 1e-3
     variants = {c["mode"]: c["variant"] for c in data["cases"]}
-    assert variants == dict.fromkeys(MODES, MAIN_DECODER)  # one self-routing decoder answers every mode
+    assert variants == dict.fromkeys(VERIFY_MODES, MAIN_DECODER)  # one self-routing decoder answers every mode
     for side in ("package", "reference"):
         assert 0 < data["peak_private_gb"][side] <= data["peak_rss_gb"]["overall"]
 
@@ -129,27 +123,37 @@ def test_damaged_vision_weights_fail_image_modes(tmp_path, tiny_package, tiny_ch
     assert data["failed_modes"] == ["image", "image+audio"]
 
 
-@pytest.mark.parametrize("layout", ["original", "native"])
-def test_streaming_reference_equals_whole_model_reference(request, tmp_path, layout):
-    """Teacher-forced over the tokens the package generated, the layer-by-layer reference gives the logits of the
-    KV-cached whole-model Reference (same LoRA and projection per mode) at every position."""
-    suffix = "" if layout == "original" else "_native"
-    package = request.getfixturevalue(f"tiny{suffix}_package")
-    checkpoint = request.getfixturevalue(f"tiny{suffix}_checkpoint")
-    whole: Reference = request.getfixturevalue("reference" if layout == "original" else "native_reference")
-    runs = run_package(str(package), build_cases(MODES, tmp_path), NEW_TOKENS)
-    sequences = [TeacherForced(run.inputs, run.tokens) for run in runs]
-    streamed = StreamingReference(checkpoint).logits(sequences)
-    extend = whole.model.model.embed_tokens_extend
-    for run, sequence, got in zip(runs, sequences, streamed):
-        ids, image, audio, projection = encode_inputs(extend.image_embed, extend.audio_embed, whole.config, run.inputs)
-        assert projection == sequence.projection
-        lora = Reference.lora_for_mode(Reference.mode_for(image is not None, audio is not None))
-        assert lora == sequence.lora
-        want = torch.stack(whole.decode_logits(whole.embeddings(ids, image, audio), run.tokens[:-1], lora)).numpy()
-        assert got.shape == want.shape == (len(run.tokens), whole.config.vocab_size)
-        worst, scale = float(np.abs(got - want).max()), float(np.abs(want).max())
-        assert worst <= STREAMING_RTOL * scale, f"{run.case.name}: {worst:.2e} (logit scale {scale:.1f})"
+def route_swapped(monkeypatch, first: str, second: str) -> None:
+    """A routing table with one mistake, for the rest of the test: the checkpoint tensors the table routes to the
+    decoder's `first` and `second` go to each other's place (same shape, so nothing in the build notices)."""
+    from builder_plugin.checkpoint import routing
+
+    table = routing.expanded_routes
+
+    def mistaken(config):
+        rows = table(config)
+        swap = {first: second, second: first}
+        assert sum(local in swap for _, _, local, _ in rows) == 2
+        return [(source, route, swap.get(local, local), shape) for source, route, local, shape in rows]
+
+    monkeypatch.setattr(routing, "expanded_routes", mistaken)
+
+
+@pytest.mark.parametrize(("first", "second", "failed"), [
+    ("layers.0.mlp.down_proj.weight", "layers.1.mlp.down_proj.weight", list(VERIFY_MODES)),
+    ("layers.0.self_attn.o_proj.lora_B.vision.weight", "layers.1.self_attn.o_proj.lora_B.vision.weight",
+     ["image", "image+audio"]),
+], ids=["two-layers-swapped", "vision-lora-swapped"])
+def test_routing_mistake_in_the_builder_fails(tmp_path, tmp_path_factory, tiny_checkpoint, monkeypatch, first,
+                                              second, failed):
+    """verify reads the checkpoint without the builder's routing table, so a mistake in the table fails the modes
+    it touches, while the table is still wrong in the verifying process: two layers' MLP weights swapped fail every
+    mode; one projection's vision LoRA swapped between two layers fails the modes that run the vision LoRA."""
+    route_swapped(monkeypatch, f"{first}", f"{second}")
+    package = build_package(tmp_path_factory, tiny_checkpoint)
+    code, data = verify_json(tmp_path, package, tiny_checkpoint)
+    assert code == EXIT_MISMATCH
+    assert data["failed_modes"] == failed
 
 
 def test_precision_is_read_from_the_graphs(tmp_path_factory, tiny_checkpoint, tiny_package):

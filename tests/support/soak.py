@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from builder_plugin.testing.soak_client import SoakClient
-from builder_plugin.testing.soak_server import ServerProcess
-from builder_plugin.testing.soak_traffic import Answer, Question, Step, Traffic, soak_media
+from tests.support.soak_client import SoakClient
+from tests.support.soak_server import ServerProcess
+from tests.support.soak_traffic import Answer, Question, Step, Traffic, soak_media
 
 if TYPE_CHECKING:
     from builder_plugin.runtime import Chat

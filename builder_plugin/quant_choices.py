@@ -1,7 +1,8 @@
 """The quantization choices: methods, algo_config aliases, block sizes, mixed-precision selectors, op types.
 
-Declared apart from the code that runs them (`builder_plugin.quant.kernels`), so parsing the command line needs neither
-numpy nor onnx. Names and meanings are the stock onnxruntime-genai 0.18 builder's (`quantization/quant_config.py`).
+The words of the options (standard library only), below `options` and the quantizer that runs them
+(`builder_plugin.quant`), so parsing the command line needs neither numpy nor onnx. Names and meanings are the stock
+onnxruntime-genai 0.18 builder's (`quantization/quant_config.py`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import json
 import httpx
 import openai
 
-from builder_plugin.testing.soak_traffic import CANCEL_MAX_TOKENS, Answer, BadCase, Step
+from tests.support.soak_traffic import CANCEL_MAX_TOKENS, Answer, BadCase, Step
 
 ERROR_FIELDS = {"message", "type", "param", "code"}
 

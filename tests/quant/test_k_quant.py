@@ -13,7 +13,7 @@ from onnxruntime.quantization.neural_compressor.weight_only import quant_tensor_
 
 import builder_plugin.quant.k_quant as k_quant
 from builder_plugin.quant import k_quant_numba
-from builder_plugin.quant.choices import BLOCK_SIZES
+from builder_plugin.quant_choices import BLOCK_SIZES
 
 
 def _numba_kernel(chunk: np.ndarray, bits: int, sequential: bool = False):

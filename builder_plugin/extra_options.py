@@ -13,7 +13,7 @@ from typing import Any
 
 from builder_plugin.errors import InputError
 from builder_plugin.precisions import QUANTIZED_PRECISIONS
-from builder_plugin.quant.choices import ALGO_CONFIGS, BLOCK_SIZES, MIXED_SELECTORS, OP_TYPES, QUANT_TYPE_BITS
+from builder_plugin.quant_choices import ALGO_CONFIGS, BLOCK_SIZES, MIXED_SELECTORS, OP_TYPES, QUANT_TYPE_BITS
 
 _BOOL_WORDS = {"1": True, "true": True, "True": True, "0": False, "false": False, "False": False}
 

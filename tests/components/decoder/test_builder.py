@@ -36,7 +36,7 @@ from builder_plugin.options import BuildOptions
 from builder_plugin.package import PackageWriter
 from builder_plugin.quant.plan import LM_HEAD_WEIGHT
 from builder_plugin.spec import Component
-from tests.stock_quantizer import stock_to_nbits
+from tests.support.stock_quantizer import stock_to_nbits
 
 DECODE_STEPS = 8
 TOLERANCE = 5e-4
@@ -329,7 +329,8 @@ def _canonical_nodes(graph: onnx.GraphProto) -> list[tuple]:
 
 
 # precision, --extra_options, decoder files compared. The LoRA variants' B MatMuls have K = r = 8 / 12 (one block):
-# with zero points (k_quant) the reference cannot pack them (test_quantize.py), so only the base decoder is compared.
+# with zero points (k_quant) the reference cannot pack them (tests/quant/test_matmul.py), so only the base decoder is
+# compared.
 QUANT_CHOICES = {
     "int4-default": ("int4", {"algo_config": "default"}, tuple(SPLIT_DECODERS.values())),
     "int4-default-mixed": ("int4", {"algo_config": "default",

@@ -1,15 +1,14 @@
-"""The checkpoint side: transformers' native Phi-4-multimodal modules in fp32, run in bounded memory.
+"""The reference in bounded memory: the same native modules as `Reference`, never held whole, for checkpoints of any
+size (verify runs it on the full-size model).
 
 The vision and speech encoders (well under 1 B parameters each) are built whole from the native classes, one after
-the other, and dropped. The text decoder is never held whole: each layer is built as a native
-``Phi4MultimodalDecoderLayer`` from that layer's checkpoint tensors (read through the project's CheckpointReader and
-routing table, so both checkpoint layouts work), the LoRA of each input mode merged in as ``W + (alpha / r) B A``, and
-run over every position of each teacher-forced sequence (prompt + the tokens the package generated) with a causal
-mask and the native LongRoPE; only the hidden states [T, hidden] survive it. Token rows and the lm_head are read in
-row ranges.
+the other, and dropped. The text decoder is built a layer at a time: a native ``Phi4MultimodalDecoderLayer`` from
+that layer's checkpoint tensors, the LoRA of each input mode merged in (`merge_lora`, as `Reference` does), run over
+every position of each teacher-forced sequence (prompt + the tokens the package generated) with a causal mask and the
+native LongRoPE; only the hidden states [T, hidden] survive it. Token rows and the lm_head are read in row ranges.
 
-Semantics per input mode, as the original model: text -> no LoRA, any image -> vision LoRA,
-audio only -> speech LoRA; the audio projection is the vision pair iff an image is present; each clip encoded alone.
+Semantics per input mode, as the original model: text -> no LoRA, any image -> vision LoRA, audio only -> speech
+LoRA; the audio projection is the vision pair iff an image is present; each clip encoded alone.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import Phi4MultimodalConfig
+from transformers import Phi4MultimodalForCausalLM
 from transformers.models.phi4_multimodal.modeling_phi4_multimodal import (
     Phi4MultimodalAudioEmbedding,
     Phi4MultimodalDecoderLayer,
@@ -29,16 +28,14 @@ from transformers.models.phi4_multimodal.modeling_phi4_multimodal import (
     Phi4MultimodalRotaryEmbedding,
 )
 
-from builder_plugin.checkpoint.reader import CheckpointReader, TensorRef
-from builder_plugin.checkpoint.routing import AUDIO_EMBED, IMAGE_EMBED, ignored_prefixes, route_weights
-from builder_plugin.config import Phi4MMConfig
 from builder_plugin.layout import INPUT_IDS, MODE_LORA, mode_of
+from builder_plugin.reference.checkpoint import StoredTensor, merge_lora, open_checkpoint
 from builder_plugin.reference.errors import ReferenceModelError
 from builder_plugin.reference.features import encode_audio, encode_images, scatter_features
-from builder_plugin.reference.native_config import native_config_from_dict, native_config_from_original
-from builder_plugin.spec import Component
 
 LORA_PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+IMAGE_EMBED = "model.embed_tokens_extend.image_embed."
+AUDIO_EMBED = "model.embed_tokens_extend.audio_embed."
 LM_HEAD_ROWS = 16384  # rows of the token table per lm_head chunk: 200 MB in fp32 at the real hidden size
 
 Progress = Callable[[Sequence[object], str], Sequence[object]]
@@ -72,26 +69,17 @@ def _no_progress(items: Sequence[object], _: str) -> Sequence[object]:
     return items
 
 
-def native_config(config: Phi4MMConfig) -> Phi4MultimodalConfig:
-    """The transformers-native config of a checkpoint of either layout, on eager attention (sdpa makes the native
-    SigLIP causal)."""
-    if config.source_format == "original":
-        native = native_config_from_original(config.raw)
-    else:
-        native = native_config_from_dict(config.raw)
-    native._attn_implementation = "eager"
-    return native
-
-
 class StreamingReference:
+    """Teacher-forced logits of a checkpoint, one decoder layer in memory at a time."""
+
     def __init__(self, checkpoint_dir: str | Path) -> None:
-        self.config = Phi4MMConfig.from_dir(checkpoint_dir)
-        self.reader = CheckpointReader(checkpoint_dir, self.config.source_format)
-        self.weights = route_weights(self.reader, self.config)
-        self.native = native_config(self.config)
-        decoder = self.weights[Component.DECODER]
-        self.token_table: TensorRef = decoder["embed_tokens.weight"]
-        self.lm_head: TensorRef = decoder.get("lm_head.weight", self.token_table)
+        self.checkpoint = open_checkpoint(Path(checkpoint_dir))
+        self.config = self.checkpoint.config
+        with torch.device("meta"):  # names and shapes only: a broken checkpoint fails before anything runs
+            self.checkpoint.check(Phi4MultimodalForCausalLM(self.config))
+        tensors = self.checkpoint.tensors
+        self.token_table: StoredTensor = tensors["model.embed_tokens.weight"]
+        self.lm_head = self.token_table if self.config.tie_word_embeddings else tensors["lm_head.weight"]
 
     # ---- public ---------------------------------------------------------------------------------------------------
 
@@ -111,48 +99,48 @@ class StreamingReference:
         image_rows: dict[int, torch.Tensor] = {}
         with_images = [i for i, s in enumerate(sequences) if s.has_image]
         if with_images:
-            image_embed = self._encoder(Phi4MultimodalImageEmbedding, Component.VISION, IMAGE_EMBED)
+            image_embed = self._encoder(Phi4MultimodalImageEmbedding, IMAGE_EMBED)
             for i in progress(with_images, "reference: vision encoder"):
                 inputs = sequences[i].inputs
-                image_rows[i] = encode_images(image_embed, self.native, inputs["pixel_values"],
+                image_rows[i] = encode_images(image_embed, self.config, inputs["pixel_values"],
                                               inputs["image_attention_mask"], inputs["image_sizes"])
             del image_embed
         audio_rows: dict[int, torch.Tensor] = {}
         with_audio = [i for i, s in enumerate(sequences) if s.has_audio]
         if with_audio:
-            audio_embed = self._encoder(Phi4MultimodalAudioEmbedding, Component.SPEECH, AUDIO_EMBED)
+            audio_embed = self._encoder(Phi4MultimodalAudioEmbedding, AUDIO_EMBED)
             for i in progress(with_audio, "reference: speech encoder"):
                 s = sequences[i]
-                audio_rows[i] = encode_audio(audio_embed, self.native, s.inputs["audio_embeds"],
+                audio_rows[i] = encode_audio(audio_embed, self.config, s.inputs["audio_embeds"],
                                              s.inputs.get("audio_attention_mask"), s.inputs["audio_sizes"],
                                              s.projection)
             del audio_embed
         out = []
         for i, s in enumerate(sequences):
             ids = self._teacher_forced_ids(s)
-            out.append(scatter_features(self.native, ids, self._token_rows(ids), image_rows.get(i), audio_rows.get(i)))
+            out.append(scatter_features(self.config, ids, self._token_rows(ids), image_rows.get(i), audio_rows.get(i)))
         return out
 
     def decoder(self, embeds: list[torch.Tensor], sequences: Sequence[TeacherForced],
                 progress: Progress = _no_progress) -> list[torch.Tensor]:
         """The final-norm hidden states [len(tokens), hidden] of the generated positions, layer by layer."""
         prompt_lengths = [int(s.inputs[INPUT_IDS].shape[-1]) for s in sequences]
-        rotary = Phi4MultimodalRotaryEmbedding(self.native)
+        rotary = Phi4MultimodalRotaryEmbedding(self.config)
         positions = [_incremental_rotary(rotary, e, n) for e, n in zip(embeds, prompt_lengths)]
-        masks = [_causal_mask(e.shape[1], self.native.sliding_window) for e in embeds]
+        masks = [_causal_mask(e.shape[1], self.config.sliding_window) for e in embeds]
         by_lora: dict[str, list[int]] = {}
         for i, s in enumerate(sequences):
             by_lora.setdefault(s.lora, []).append(i)
         hidden = list(embeds)
-        for index in progress(range(self.config.text.num_hidden_layers), "reference: decoder layers"):
+        for index in progress(range(self.config.num_hidden_layers), "reference: decoder layers"):
             layer, base = self._decoder_layer(index)
             for lora, members in by_lora.items():
                 self._set_lora(layer, index, base, lora)
                 for i in members:
                     hidden[i] = layer(hidden[i], attention_mask=masks[i], position_embeddings=positions[i])
             del layer, base
-        norm = Phi4MultimodalRMSNorm(self.config.text.hidden_size, eps=self.config.text.rms_norm_eps)
-        norm.weight = torch.nn.Parameter(self.weights[Component.DECODER]["norm.weight"].load(), requires_grad=False)
+        norm = Phi4MultimodalRMSNorm(self.config.hidden_size, eps=self.config.rms_norm_eps)
+        norm.weight = torch.nn.Parameter(self._fp32("model.norm.weight"), requires_grad=False)
         return [norm(h[0, n - 1 : n - 1 + len(s.tokens)]) for h, n, s in zip(hidden, prompt_lengths, sequences)]
 
     def project(self, hidden: list[torch.Tensor], progress: Progress = _no_progress) -> list[np.ndarray]:
@@ -162,47 +150,41 @@ class StreamingReference:
         logits = torch.empty(rows.shape[0], vocab, dtype=torch.float32)
         for start in progress(range(0, vocab, LM_HEAD_ROWS), "reference: lm_head"):
             stop = min(start + LM_HEAD_ROWS, vocab)
-            logits[:, start:stop] = rows @ self.lm_head.load_rows(start, stop).T
+            logits[:, start:stop] = rows @ self.lm_head.rows(start, stop).float().T
         return [part.numpy() for part in torch.split(logits, [h.shape[0] for h in hidden])]
 
     # ---- weights --------------------------------------------------------------------------------------------------
 
-    def _encoder(self, module_class: type[torch.nn.Module], component: Component, prefix: str) -> torch.nn.Module:
-        """A native encoder module with the routed weights of `component`, plus the checkpoint tensors the graphs
-        leave out but the native module still runs (SigLIP's last layer, post-layernorm and pooling head)."""
-        state = {local: ref.load() for local, ref in self.weights[component].items()}
-        for pattern, _ in ignored_prefixes(self.config):
-            if pattern.startswith(prefix):
-                for name, ref in self.reader.items():
-                    if name == pattern or (pattern.endswith(".") and name.startswith(pattern)):
-                        state[name.removeprefix(prefix)] = ref.load()
+    def _fp32(self, name: str) -> torch.Tensor:
+        return self.checkpoint.tensors[name].load().to(torch.float32)
+
+    def _state(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Every checkpoint tensor under `prefix`, named relative to it, in fp32."""
+        return {name.removeprefix(prefix): self._fp32(name) for name in self.checkpoint.tensors
+                if name.startswith(prefix)}
+
+    def _encoder(self, module_class: type[torch.nn.Module], prefix: str) -> torch.nn.Module:
         with torch.device("meta"):
-            module = module_class(self.native)
-        _assign(module, state, module_class.__name__)
+            module = module_class(self.config)
+        _assign(module, self._state(prefix), module_class.__name__)
         return module.eval()
 
     def _decoder_layer(self, index: int) -> tuple[torch.nn.Module, dict[str, torch.Tensor]]:
-        prefix = f"layers.{index}."
-        state = {
-            local.removeprefix(prefix): ref.load()
-            for local, ref in self.weights[Component.DECODER].items()
-            if local.startswith(prefix) and ".lora_" not in local
-        }
+        state = self._state(f"model.layers.{index}.")
         with torch.device("meta"):
-            layer = Phi4MultimodalDecoderLayer(self.native, index)
+            layer = Phi4MultimodalDecoderLayer(self.config, index)
         _assign(layer, state, f"decoder layer {index}")
         base = {proj: state[f"{proj}.weight"] for proj in LORA_PROJECTIONS}
         return layer.eval(), base
 
     def _set_lora(self, layer: torch.nn.Module, index: int, base: dict[str, torch.Tensor], lora: str) -> None:
-        decoder = self.weights[Component.DECODER]
-        if lora != "none" and lora not in self.config.loras:
-            raise ReferenceModelError(f"the checkpoint has no {lora} LoRA adapter (has {sorted(self.config.loras)})")
+        adapter = None if lora == "none" else self.checkpoint.adapters.get(lora)
+        if lora != "none" and adapter is None:
+            raise ReferenceModelError(f"the checkpoint has no {lora} LoRA adapter "
+                                      f"(has {sorted(self.checkpoint.adapters)})")
         for proj, weight in base.items():
-            if lora != "none":
-                a = decoder[f"layers.{index}.{proj}.lora_A.{lora}.weight"].load()
-                b = decoder[f"layers.{index}.{proj}.lora_B.{lora}.weight"].load()
-                weight = torch.addmm(weight, b, a, alpha=self.config.loras[lora].scaling)
+            if adapter is not None:
+                weight = merge_lora(weight, *adapter.pair(f"model.layers.{index}.{proj}"), adapter.scaling)
             layer.get_submodule(proj).weight = torch.nn.Parameter(weight, requires_grad=False)
 
     def _teacher_forced_ids(self, sequence: TeacherForced) -> torch.Tensor:
@@ -214,7 +196,7 @@ class StreamingReference:
     def _token_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """[1, T, hidden] fp32 token embeddings, reading only the distinct rows the sequence uses."""
         unique, inverse = torch.unique(ids[0], return_inverse=True)
-        table = torch.stack([self.token_table.load_rows(int(t), int(t) + 1)[0] for t in unique])
+        table = torch.cat([self.token_table.rows(int(t), int(t) + 1) for t in unique]).float()
         return table[inverse][None]
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from builder_plugin.options import BuildOptions
-from builder_plugin.quant.choices import ALGO_CONFIGS, MIXED_SELECTORS
 from builder_plugin.quant.plan import QuantPlan
-from tests.stock_quantizer import stock_builder
+from builder_plugin.quant_choices import ALGO_CONFIGS, MIXED_SELECTORS
+from tests.support.stock_quantizer import stock_builder
 
 
 def _stock(extra_options: dict[str, str], precision: str, num_layers: int):

@@ -19,12 +19,12 @@ from builder_plugin.components.base import BuildOutput
 from builder_plugin.components.decoder import DecoderBuilder
 from builder_plugin.layout import SPLIT_DECODERS
 from builder_plugin.options import BuildOptions
-from builder_plugin.quant.choices import ALGO_CONFIGS
 from builder_plugin.quant.matmul import quantize_matmuls
 from builder_plugin.quant.plan import LM_HEAD_WEIGHT, QuantPlan
 from builder_plugin.quant.weights import QuantizationCache
+from builder_plugin.quant_choices import ALGO_CONFIGS
 from builder_plugin.spec import Component
-from tests.stock_quantizer import stock_to_nbits
+from tests.support.stock_quantizer import stock_to_nbits
 
 
 def _hard_blocks(rng: np.random.Generator, group_size: int, dtype) -> np.ndarray:

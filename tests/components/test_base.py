@@ -1,5 +1,6 @@
-"""-p int4 / int8 quantize the vision and speech encoders' MatMuls (MatMulNBits): the graphs run and stay close to
-fp32, and each quantization choice gives the bytes onnxruntime's MatMulNBitsQuantizer makes of the fp32 graph."""
+"""ComponentBuilder.quantize, the encoders' step: -p int4 / int8 quantize the vision and speech encoders' MatMuls
+(MatMulNBits): the graphs run and stay close to fp32, and each quantization choice gives the bytes onnxruntime's
+MatMulNBitsQuantizer makes of the fp32 graph."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from builder_plugin.build import build
 from builder_plugin.layout import GRAPH_FILES
 from builder_plugin.options import BuildOptions
 from builder_plugin.spec import Component
-from builder_plugin.testing.processor import processor_inputs
+from tests.support.processor import processor_inputs
 
 # Random tiny weights are a harsh case for 4-bit RTN (the decoder's int4 logits reach cosine ~0.8 on them); the real
 # checkpoint's trained weights quantize far better. These bounds only catch a broken quantized graph.
@@ -60,7 +61,7 @@ def test_int4_encoder_runs_close_to_fp32(component, tiny_checkpoint, media_dir, 
 
 # The selectors of the mixed-precision choices name decoder nodes, so an encoder gets the body's method and bits.
 # Tiny speech has K = 96 matrices (3 blocks): with zero points (k_quant) the reference cannot pack them
-# (test_quantize.py), so k_quant is compared on vision.
+# (tests/quant/test_matmul.py), so k_quant is compared on vision.
 ENCODER_CHOICES = [
     (Component.VISION, "int4", {}, "k_quant", 4),  # the default, k_quant_mixed
     (Component.SPEECH, "int4", {"algo_config": "rtn"}, "rtn", 4),

@@ -1,4 +1,4 @@
-"""builder_plugin.testing.soak: a small soak run of the real server process on the tiny package (every answer checked
+"""tests.support.soak: a small soak run of the real server process on the tiny package (every answer checked
 against an independent Chat), and the checks themselves: a wrong answer, a wrong error and each end-of-run failure
 are caught."""
 
@@ -9,9 +9,9 @@ from dataclasses import replace
 
 import pytest
 
-from builder_plugin.testing.soak import ReferenceChat, SoakReport, _Exchange, compare_with_chat, run_soak
-from builder_plugin.testing.soak_client import Unexpected, check_error
-from builder_plugin.testing.soak_traffic import Answer, BadCase, Question, Step, Traffic, soak_media
+from tests.support.soak import ReferenceChat, SoakReport, _Exchange, compare_with_chat, run_soak
+from tests.support.soak_client import Unexpected, check_error
+from tests.support.soak_traffic import Answer, BadCase, Question, Step, Traffic, soak_media
 
 
 def test_small_soak_run_holds_every_check(tiny_package, tmp_path):

@@ -1,0 +1,66 @@
+// What the CPU and the operating system allow, read once: cpuid, the registers the OS saves (XCR0), and on Linux the
+// AMX tile data this process must ask for (arch_prctl ARCH_REQ_XCOMP_PERM) before its first tile instruction.
+#include "matmul_nbits.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace bp {
+namespace {
+
+uint64_t xcr0() {
+  uint32_t lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (static_cast<uint64_t>(hi) << 32) | lo;
+}
+
+bool request_amx_tiles() {
+#if defined(__linux__)
+  constexpr long kArchReqXcompPerm = 0x1023;  // arch/x86/include/uapi/asm/prctl.h
+  constexpr long kXfeatureTileData = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureTileData) == 0;
+#else
+  return false;
+#endif
+}
+
+Cpu detect() {
+  Cpu found;
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return found;  // OSXSAVE
+  unsigned max_leaf = __get_cpuid_max(0, nullptr);
+  if (max_leaf < 7) return found;
+  __cpuid_count(7, 0, a, b, c, d);
+  const uint64_t saved = xcr0();
+  const bool zmm_saved = (saved & 0xE6) == 0xE6;  // SSE, AVX, opmask, ZMM_Hi256, Hi16_ZMM
+  const bool avx512 = (b & (1u << 16)) && (b & (1u << 17)) && (b & (1u << 30)) && (b & (1u << 31));
+  found.avx512_vnni = zmm_saved && avx512 && (c & (1u << 11));
+  const bool amx = (d & (1u << 24)) && (d & (1u << 25));
+  const bool tiles_saved = (saved & (3ull << 17)) == (3ull << 17);
+  found.amx_int8 = found.avx512_vnni && amx && tiles_saved && request_amx_tiles();
+  return found;
+}
+
+}  // namespace
+
+const Cpu& cpu() {
+  static const Cpu found = detect();
+  return found;
+}
+
+}  // namespace bp
+
+#else
+
+namespace bp {
+const Cpu& cpu() {
+  static const Cpu none;
+  return none;
+}
+}  // namespace bp
+
+#endif

@@ -1,0 +1,134 @@
+"""The library's MatMulNBits kernel (builder_plugin/kernels) through onnxruntime, against independent numpy
+references: the exact integer block sums of its int8 path, the float result within the activation quantization's
+bound, and onnxruntime's own kernel. Where this CPU lacks AVX-512 VNNI the library must register nothing, and the
+session answers with onnxruntime's kernel."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+from builder_plugin import kernels
+from builder_plugin.quant_choices import BLOCK_SIZES
+from tests.kernels.matmul_nbits_graphs import (
+    int8_reference,
+    quantization_bound,
+    random_b,
+    write_graph,
+)
+
+LIBRARY = kernels.library_path()
+ACTIVE = kernels.level() != "none"
+TRACE = "BUILDER_PLUGIN_OPS_TRACE"
+# The int8 paths this CPU runs (BUILDER_PLUGIN_OPS_PATH forces one for every row count) and the trace naming each.
+PATHS = {"avx512": "int8 AVX-512 path", "amx": "int8 AMX path"}
+INT8_PATHS = [path for path in PATHS if path == "avx512" or kernels.level() == "amx"]
+
+
+@pytest.fixture(params=INT8_PATHS)
+def int8_path(request, monkeypatch):
+    monkeypatch.setenv("BUILDER_PLUGIN_OPS_PATH", request.param)
+    return request.param
+
+
+def test_library_is_built_and_matches_the_cpu():
+    assert LIBRARY is not None, "pip install builds builder_plugin/kernels/libbuilder_plugin_ops.so"
+    needed = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+    assert ACTIVE is needed.issubset(kernels.cpu_flags())
+
+
+def session(path, library: bool, threads: int = 2) -> ort.InferenceSession:
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    if library:
+        options.register_custom_ops_library(str(LIBRARY))
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def run(path, a: np.ndarray, library: bool) -> np.ndarray:
+    return session(path, library).run(None, {"A": a})[0]
+
+
+def traced_path(capfd, path) -> str:
+    """The path the library's kernel reports for the graph's node ("" when onnxruntime's own kernel runs)."""
+    capfd.readouterr()
+    session(path, library=True)
+    lines = [line for line in capfd.readouterr().err.splitlines() if "MatMulNBits mnb" in line]
+    return lines[0].rsplit(": ", 1)[1] if lines else ""
+
+
+# Every block size the builder emits, both bit widths, with and without zero points; K a whole number of blocks or
+# not (padding), N odd, rows 1..9 and beyond a block of 64.
+CASES = [(bits, block, zp) for bits in (4, 8) for block in BLOCK_SIZES for zp in (False, True)]
+
+
+@pytest.mark.parametrize(("bits", "block", "zero_points"), CASES)
+def test_integer_sums_are_exact(tmp_path, monkeypatch, capfd, int8_path, bits, block, zero_points):
+    """Activations on their int8 grid and scales powers of two: every product and sum is exact in float32, so the
+    kernel's Y must equal the exact integer result bit for bit."""
+    rng = np.random.default_rng(bits * 1000 + block + zero_points)
+    k, n, m = 3 * block + block // 2 + 3, 37, 11
+    column_scale = np.float32(2.0) ** rng.integers(-8, -2, size=(n, 1))
+    b = random_b(rng, k, n, bits, block, zero_points, scales=np.repeat(column_scale, -(-k // block), axis=1))
+    codes = rng.integers(-127, 128, size=(m, k))
+    first = np.arange(0, k, block)
+    codes[:, first] = 127  # every block's largest activation is 127 steps: its scale is exactly the step
+    a = (codes * np.float32(2.0) ** rng.integers(-6, 0, size=(m, 1))).astype(np.float32)
+    path = write_graph(tmp_path / "g.onnx", b)
+    monkeypatch.setenv(TRACE, "1")
+    assert traced_path(capfd, path) == (PATHS[int8_path] if ACTIVE else "")
+    y = run(path, a, library=True)
+    expected = int8_reference(b, a)
+    if ACTIVE:
+        np.testing.assert_array_equal(y.astype(np.float64), expected)
+    else:
+        np.testing.assert_array_equal(y, run(path, a, library=False))
+
+
+@pytest.mark.parametrize(("bits", "block", "zero_points"), CASES)
+@pytest.mark.parametrize("rows", [1, 3, 8, 17, 70])
+def test_random_weights_within_bounds(tmp_path, int8_path, bits, block, zero_points, rows):
+    rng = np.random.default_rng(rows * 7 + bits * 100 + block + zero_points)
+    k, n = (4 * block + 40 if block < 256 else 600), 45
+    b = random_b(rng, k, n, bits, block, zero_points)
+    a = rng.standard_normal((rows, k)).astype(np.float32)
+    a[:, 5] *= 20  # an outlier channel, as LLM activations have
+    bias = rng.standard_normal(n).astype(np.float32) if zero_points else None
+    path = write_graph(tmp_path / "g.onnx", b, bias=bias)
+    y = run(path, a, library=True).astype(np.float64)
+    builtin = run(path, a, library=False).astype(np.float64)
+    exact = a.astype(np.float64) @ b.dequantized().T + (bias if bias is not None else 0.0)
+    bound = quantization_bound(b, a)
+    if ACTIVE:  # float32 sums of exact block products, then within the quantization bound of the float result
+        assert np.abs(y - int8_reference(b, a, bias)).max() <= 1e-5 * (np.abs(exact).max() + 1)
+        assert np.all(np.abs(y - exact) <= bound * 1.001 + 1e-5)
+        assert np.all(np.abs(y - builtin) <= 2 * bound + 1e-4)
+    else:
+        np.testing.assert_array_equal(y, builtin)
+
+
+def test_full_size_shape_against_onnxruntime(tmp_path, int8_path):
+    """One decoder shape of the full-size model (gate_up's K with down's N), one row and four."""
+    rng = np.random.default_rng(3)
+    b = random_b(rng, 8192, 3072, 4, 32, zero_points=False)
+    path = write_graph(tmp_path / "g.onnx", b)
+    for rows in (1, 4):
+        a = rng.standard_normal((rows, 8192)).astype(np.float32)
+        y = run(path, a, library=True).astype(np.float64)
+        exact = a.astype(np.float64) @ b.dequantized().T
+        assert np.all(np.abs(y - exact) <= quantization_bound(b, a) * 1.001 + 1e-4)
+        assert np.all(np.abs(y - run(path, a, library=False)) <= 2 * quantization_bound(b, a) + 1e-4)
+
+
+@pytest.mark.parametrize(("accuracy_level", "scales_2d"), [(0, False), (1, True)])
+def test_float_path_for_other_accuracy_levels(tmp_path, monkeypatch, capfd, accuracy_level, scales_2d):
+    """Below accuracy_level 4 the kernel keeps A in float: the float result up to float rounding."""
+    rng = np.random.default_rng(accuracy_level)
+    b = random_b(rng, 200, 33, 4, 32, zero_points=True)
+    a = rng.standard_normal((3, 200)).astype(np.float32)
+    path = write_graph(tmp_path / "g.onnx", b, accuracy_level=accuracy_level, scales_2d=scales_2d)
+    monkeypatch.setenv(TRACE, "1")
+    assert traced_path(capfd, path) == ("float path" if ACTIVE else "")
+    y = run(path, a, library=True).astype(np.float64)
+    np.testing.assert_allclose(y, a.astype(np.float64) @ b.dequantized().T, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,76 @@
+"""builder_plugin.runtime.kernel_library: which packages run on the project's MatMulNBits kernel, and a package run
+with it answers as with onnxruntime's own kernel (the same greedy tokens, logits within the int8 activations' error),
+with the package folder untouched."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from builder_plugin import kernels
+from builder_plugin.runtime import Chat, Package
+from builder_plugin.runtime.kernel_library import SWITCH, for_package
+
+CPU_INT4 = {"options": {"precision": "int4", "execution_provider": "cpu", "extra_options": {}}}
+TEXT_ATOL = 1e-4  # the same integer sums, scaled and added in another order
+NEEDS_VNNI = pytest.mark.skipif(kernels.level() == "none", reason="the library has no fast path on this CPU")
+
+
+def _with(**options) -> dict:
+    return {"options": {**CPU_INT4["options"], **options}}
+
+
+def test_which_packages_run_on_the_library(monkeypatch):
+    monkeypatch.delenv(SWITCH, raising=False)
+    expected = kernels.library_path() if kernels.level() != "none" else None
+    assert for_package(CPU_INT4, None) == expected
+    assert for_package(_with(precision="int8"), None) == expected
+    assert for_package(_with(extra_options={"accuracy_level": 4}), "cpu") == expected
+    refused = [_with(precision="fp32"), _with(precision="fp16", execution_provider="cuda"),
+               _with(extra_options={"accuracy_level": 1}), _with(execution_provider="webgpu"), None, {}]
+    assert [for_package(builder, None) for builder in refused] == [None] * len(refused)
+    assert for_package(CPU_INT4, "cuda") is None  # run on another provider than it was built for
+    assert for_package(CPU_INT4, None, wanted=False) is None
+    monkeypatch.setenv(SWITCH, "0")
+    assert for_package(CPU_INT4, None) is None
+
+
+@NEEDS_VNNI
+def test_a_package_answers_as_with_onnxruntimes_kernel(tiny_int4_package, tiny_package, media_dir):
+    """Text: the decoder's one-row products are the same integer sums, so the same logits. An image: the encoder's
+    many-row products round activations on other paths than onnxruntime's, and the logits are as far from the float
+    package's (the unquantized yardstick) as onnxruntime's own."""
+    files = {p.name: p.read_bytes() for p in tiny_int4_package.iterdir()}
+    before = os.getcwd()
+    logits: dict[tuple, list[np.ndarray]] = {}
+    for package, wanted in ((tiny_int4_package, True), (tiny_int4_package, False), (tiny_package, None)):
+        chat = Chat(Package(package, kernels=wanted))
+        assert (chat.package.kernel_library is not None) == bool(wanted)
+        chat.keep_logits = True
+        for mode, images in (("text", []), ("image", [media_dir / "square.png"])):
+            chat.clear()
+            list(chat.ask("Describe what you get.", images, max_new_tokens=1))
+            logits[wanted, mode] = chat.last_logits[0]
+    assert np.abs(logits[True, "text"] - logits[False, "text"]).max() < TEXT_ATOL
+    library, onnxruntime = (float(np.abs(logits[w, "image"] - logits[None, "image"]).mean()) for w in (True, False))
+    assert library < 1.1 * onnxruntime
+    assert os.getcwd() == before  # the model was created in the library's folder, and the directory given back
+    assert {p.name: p.read_bytes() for p in tiny_int4_package.iterdir()} == files  # nothing written to the package
+    assert "custom_ops_library" not in json.loads((tiny_int4_package / "genai_config.json").read_text())["model"][
+        "decoder"]["session_options"]
+
+
+@NEEDS_VNNI
+def test_every_matmul_nbits_runs_on_the_library(tiny_int4_package):
+    """A fresh process loads the package through Chat; the library names each MatMulNBits kernel it makes."""
+    script = f"from builder_plugin.runtime import Chat; Chat({str(tiny_int4_package)!r}).load('phi-4-mm-text.onnx')"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                            env={**os.environ, "BUILDER_PLUGIN_OPS_TRACE": "1"})
+    assert result.returncode == 0, result.stderr
+    made = [line for line in result.stderr.splitlines() if line.startswith("builder_plugin ops: MatMulNBits")]
+    assert len(made) > 10 and all("accuracy_level=4" in line for line in made)

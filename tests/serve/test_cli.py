@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from builder_plugin.serve.__main__ import API_KEYS_VARIABLE
 from tests.support.serving import (
     AUDIO,
     IMAGE,
@@ -90,3 +92,43 @@ def test_cli_errors_are_one_line(tmp_path):
     verbose = subprocess.run([sys.executable, "-m", "builder_plugin.serve", str(tmp_path / "nowhere"), "-v"],
                              capture_output=True, text=True, timeout=60)
     assert verbose.returncode != 0 and "Traceback" in verbose.stderr
+
+
+def test_served_model_name_and_the_request_log(package, chat, tmp_path):
+    """--served-model-name sets the id clients use; -v logs one line per request (method, path, status, prompt
+    tokens, time to the first token, tokens/s), with no body and no key."""
+    key, question = "sk-test-4c1f9e", "Describe the sea in one line."
+    errors = tmp_path / "stderr"
+    with errors.open("w") as stderr:
+        process = subprocess.Popen([sys.executable, "-m", "builder_plugin.serve", str(package), "--port", "0",
+                                    "--served-model-name", "phi4mm", "-v", "--no-ui"], stdout=subprocess.PIPE,
+                                   stderr=stderr, text=True, env={**os.environ, API_KEYS_VARIABLE: key})
+    try:
+        line = process.stdout.readline()
+        assert line.startswith("serving phi4mm at http://127.0.0.1:"), line
+        url = line.split(" at ")[1].strip()
+        client = openai.OpenAI(base_url=url, api_key=key, max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["phi4mm"]
+        got = ask_server(client, [user(question)], max_tokens=8)
+        expected = ask_chat(chat, [(question, (), ())], max_new_tokens=8)[0]
+        assert got == expected
+        assert ask_server(client, [user(question)], stream=True, max_tokens=8) == expected
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model=package.name, messages=[user(question)])
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    logged = errors.read_text()
+    assert key not in logged and question not in logged
+    lines = [line for line in logged.splitlines() if line.startswith("INFO: POST /v1/chat/completions")]
+    assert len(lines) == 3, logged
+    answered = re.compile(r"INFO: POST /v1/chat/completions 200 in [\d.]+ s: (\d+) prompt tokens, (\d+) generated, "
+                          r"first token [\d.]+ s, [\d.]+ tokens/s$")
+    for line in lines[:2]:
+        match = answered.match(line)
+        assert match and (int(match[1]), int(match[2])) == (expected.prompt_tokens, expected.completion_tokens), line
+    assert lines[2].startswith("INFO: POST /v1/chat/completions 404 in ") and lines[2].endswith(" s")
+    assert any(line.startswith("INFO: GET /v1/models 200 in ") for line in logged.splitlines())

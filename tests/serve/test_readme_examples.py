@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from builder_plugin.demo import write_media
+from tests.support.server_process import server_process
 
 ROOT = Path(__file__).resolve().parents[2]
 README, SERVING = ROOT / "README.md", ROOT / "docs" / "serving.md"
@@ -53,15 +54,10 @@ def demo(tiny_package, tmp_path_factory) -> Iterator[tuple[Path, str]]:
     write_media(folder / "demo")
     command = _serve_command()
     assert command[:4] == ["python", "-m", "builder_plugin.serve", "demo/package"]
-    process = subprocess.Popen([sys.executable, *command[1:], "--port", "0"], cwd=folder, stdout=subprocess.PIPE,
-                               stderr=subprocess.DEVNULL, text=True)
-    try:
-        line = process.stdout.readline()
-        assert line.startswith("serving phi4mm at http://127.0.0.1:"), line
-        yield folder, line.split(" at ")[1].strip().removesuffix("/v1")
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+    with server_process(command[3], folder / "server", *command[4:], cwd=folder) as server:
+        assert server.model_id == "phi4mm"
+        yield folder, server.base_url
+        assert server.stop(30) == 0
 
 
 def _run(args: list[str], folder: Path) -> subprocess.CompletedProcess:

@@ -79,11 +79,9 @@ class Tools:
 
 def parse_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool | None) -> Tools | None:
     """The request's tools; raises ApiError (400) naming the first problem."""
-    if not tools:
-        if tool_choice not in (None, "none"):
+    if not tools:  # none, or an empty list (agent frameworks send one for an agent without tools)
+        if tool_choice not in (None, "none", "auto"):
             raise ApiError("tool_choice: needs tools", param="tool_choice")
-        if tools is not None:
-            raise ApiError("tools: must not be empty (leave it out for no tools)", param="tools")
         return None
     functions = []
     for i, tool in enumerate(tools):

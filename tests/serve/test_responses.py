@@ -23,6 +23,7 @@ from tests.support.serving import (
     b64,
     guided_chat,
     running_server,
+    user,
 )
 
 FUNCTIONS = [{"type": "function", **tool["function"]} for tool in TOOLS]  # the Responses API's flat form
@@ -82,6 +83,19 @@ def test_a_plain_string_input_and_sampling(server, chat):
                                   top_p=0.8, extra_body={"seed": 3})
     expected = ask_chat(chat, [("Hello!", (), ())], max_new_tokens=8, sampling=Sampling(0.9, 0.8, None, 3))[0]
     assert got.output_text == expected.text and got.temperature == 0.9
+
+
+def test_an_empty_tool_list_is_no_tools(server, chat):
+    """Agent frameworks (openai-agents) send `tools: []` for an agent without tools, as the API allows: on both
+    endpoints it answers as a request without tools."""
+    client = server.client()
+    expected = ask_chat(chat, [("Hello!", (), ())], max_new_tokens=8)[0]
+    got = client.responses.create(model=_model(client), input="Hello!", max_output_tokens=8, tools=[],
+                                  tool_choice="auto")
+    assert got.output_text == expected.text
+    chat_answer = client.chat.completions.create(model=_model(client), messages=[user("Hello!")], max_tokens=8,
+                                                 tools=[])
+    assert chat_answer.choices[0].message.content == expected.text
 
 
 def test_previous_response_id_continues_the_conversation(server, served, tiny_package):

@@ -308,7 +308,7 @@ def make_media(folder: Path, image_size: tuple[int, int], audio_seconds: float) 
 
 def greedy_text_answer(package: str | Path, question: str, new_tokens: int,
                        threads: int | None = None) -> dict[str, Any]:
-    """Load `package` with onnxruntime-genai in this process, as an app following the README does (every session
+    """Load `package` with onnxruntime-genai in this process, as an app following docs/runtime.md does (every session
     given `threads` intra-op threads, default one per physical core the process may use), and answer one text
     question greedily: load time, prompt tokens, prefill (to the first token), the time of each later step, the
     tokens."""

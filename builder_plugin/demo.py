@@ -24,17 +24,13 @@ def main(argv: list[str] | None = None) -> int:
     from builder_plugin.options import BuildOptions
     from builder_plugin.runtime import Chat, ChatError
     from builder_plugin.testing.make_checkpoint import make_checkpoint
-    from builder_plugin.testing.media import make_image, make_wav
 
     root = Path(args.folder)
     checkpoint = root / "checkpoint"
     if not (checkpoint / "config.json").is_file():
         print(f"writing a tiny random Phi-4-multimodal checkpoint to {checkpoint} ...")
         make_checkpoint(checkpoint, preset="tiny", seed=0)
-    media = root / "media"
-    media.mkdir(parents=True, exist_ok=True)
-    image = make_image(media / "picture.jpg", 640, 360, seed=1)
-    clip = make_wav(media / "clip.wav", 2.0, sample_rate=16000, seed=2)
+    image, clip = write_media(root)
 
     package = root / "package"
     print(f"building {package} (fp32, cpu) ...")
@@ -58,6 +54,16 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n\n[{stats.new_tokens} tokens, {stats.tokens_per_s:.1f} tokens/s, first token after "
           f"{stats.time_to_first_token_s:.2f} s, decoder {stats.variant}] (random weights: the text is noise)")
     return 0
+
+
+def write_media(root: Path) -> tuple[Path, Path]:
+    """The demo's picture and clip (the README's examples send them): ROOT/media/picture.jpg and clip.wav."""
+    from builder_plugin.testing.media import make_image, make_wav
+
+    media = root / "media"
+    media.mkdir(parents=True, exist_ok=True)
+    return (make_image(media / "picture.jpg", 640, 360, seed=1),
+            make_wav(media / "clip.wav", 2.0, sample_rate=16000, seed=2))
 
 
 if __name__ == "__main__":

@@ -24,8 +24,8 @@ ALGO_CONFIGS: dict[str, tuple[str, dict[str, str]]] = {
     "k_quant_mixed": ("k_quant", {"last_matmul": "int8", "mixed_layers": "int8"}),
     "k_quant_linear": ("k_quant", {"last_matmul": "int8", "linear_attn": "int8"}),
 }
-# What a build gets without algo_config, by precision (README "Quantization choices" says why). int8 has nothing to
-# mix in and the MLAS int8 kernel is both the fastest to build and, per the stock builder's notes, the more accurate.
+# What a build gets without algo_config, by precision (docs/build.md "Quantization choices" says why). int8 has nothing
+# to mix in and the MLAS int8 kernel is both the fastest to build and, per the stock builder's notes, the more accurate.
 DEFAULT_ALGO_CONFIG: dict[str, str] = {"int4": "k_quant_mixed", "int8": "default"}
 MIXED_SELECTORS: tuple[str, ...] = ("last_matmul", "mixed_layers", "linear_attn")
 BLOCK_SIZES: tuple[int, ...] = (16, 32, 64, 128, 256)

@@ -19,6 +19,9 @@ from builder_plugin.spec import Component, IOSpec, TensorSpec
 # KV buffer per token for the real model is 256 KiB in fp32; this keeps the preallocated cache at a few GiB while
 # leaving room for the largest single image (~9.6k tokens) plus an answer.
 DEFAULT_MAX_LENGTH = 16384
+# An app that turns do_sample on without a top_k of its own samples as transformers does for a generation config
+# without one (GenerationConfig's default, also the stock builder's): Phi-4-multimodal-instruct's has none.
+DEFAULT_TOP_K = 50
 
 PROVIDER_OPTIONS: dict[str, list[dict[str, Any]]] = {
     "cpu": [],
@@ -141,7 +144,7 @@ def make_genai_config(
         "past_present_share_buffer": share_kv_buffer,
         "repetition_penalty": float(gen.get("repetition_penalty", 1.0)),
         "temperature": float(gen.get("temperature", 1.0)),
-        "top_k": int(gen.get("top_k", 1)),
+        "top_k": int(gen.get("top_k", DEFAULT_TOP_K)),
         "top_p": float(gen.get("top_p", 1.0)),
     }
     if search["max_length"] > text.max_position_embeddings:

@@ -1,5 +1,5 @@
 """The run image's Dockerfile, without a Docker daemon (the machines have none): hadolint passes it, its instructions
-keep the promises the README makes (the serve extra and no torch, a slim base, only what the install reads in the
+keep the promises docs/serving.md makes (the serve extra and no torch, a slim base, only what the install reads in the
 build context, a non-root user, the port, the health check), and its command and health check, run here as the
 container would run them, serve the tiny package and answer."""
 

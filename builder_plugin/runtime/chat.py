@@ -10,7 +10,9 @@ KV cache, the LongRoPE recompute, one step per token).
   prompt's ids followed by the generated ids: answers are never re-tokenised). ``restore`` of the first turns of the
   kept conversation keeps it: the next question (an edited later one, or the next one asked again) rewinds it to the
   ids they share. A question with new media, other sampling options, a guided answer, or a conversation changed
-  otherwise starts a new decoding over the whole conversation, as the runtime requires for new media.
+  otherwise starts a new decoding over the whole conversation, as the runtime requires for new media; so does a
+  seeded answer (``Sampling.seed``), over the kept ids, so that a seed gives the same answer however the
+  conversation got there.
 - Decodings are sized to the conversation plus ``follow_up_room`` tokens, not to ``max_length``; a follow-up that
   does not fit, or that would take a short-factor cache past the LongRoPE switch, restarts from the same ids.
 - Media: every image and clip is decoded first by Pillow / libsndfile in a separate process, with limits and a time
@@ -63,6 +65,7 @@ class _Kept:
     system: str | None
     tools: str | None
     turns: tuple[Turn, ...]
+    raw: bool = False  # a raw prompt's (Chat.prepare_prompt): it holds no conversation, and is freed when it ends
 
     def held(self) -> Held:
         return Held(self.system, self.tools, self.turns, tuple(self.decoding.token_ids()))
@@ -85,9 +88,10 @@ class Answering:
     """A question asked in a Chat and its answer in progress: ``kv_tokens`` is the KV cache its decoding will allocate
     before the first step (0 when it extends the kept one); each ``next`` runs one step and gives its Step. When the
     answer ends, or is closed, the turn is recorded in the conversation with what was generated (a model failure
-    records nothing). ``stats`` says how it went."""
+    records nothing). ``stats`` says how it went. A raw prompt's answer (`question` None: Chat.prepare_prompt)
+    records nothing, and its decoding is freed when it ends."""
 
-    def __init__(self, chat: Chat, question: Turn, plan: _Plan, sampling: Sampling, guidance: Guidance | None,
+    def __init__(self, chat: Chat, question: Turn | None, plan: _Plan, sampling: Sampling, guidance: Guidance | None,
                  options: Options, started: float) -> None:
         self.chat = chat
         self.question = question
@@ -145,6 +149,9 @@ class Answering:
         self._recorded = True
         if self._answer is not None:
             self._answer.close()
+        if self.question is None:
+            self.chat._end_raw(self.stats)
+            return
         self.chat._record(replace(self.question, assistant="".join(self.texts), answer_ids=tuple(self.ids)),
                           self.stats)
 
@@ -265,7 +272,7 @@ class Chat:
         """The conversation's token ids held by the kept decoding (prompt ids, then generated and appended ids);
         empty when no decoding holds this conversation."""
         kept = self._kept
-        if kept is None or not kept.decoding.alive or (kept.system, kept.tools, kept.turns) != \
+        if kept is None or kept.raw or not kept.decoding.alive or (kept.system, kept.tools, kept.turns) != \
                 (self.system, self.tools, tuple(self.turns)):
             return []
         return kept.decoding.token_ids()
@@ -375,7 +382,7 @@ class Chat:
         """A plan that extends the kept decoding, rewound to what it shares with the conversation (or restarts from
         its token ids), or None for a new prompt."""
         kept = self._kept
-        if kept is None or not kept.decoding.alive or kept.decoding.sampling != sampling or \
+        if kept is None or kept.raw or not kept.decoding.alive or kept.decoding.sampling != sampling or \
                 kept.decoding.loaded is not loaded:
             return None
         held = kept.held()
@@ -395,9 +402,12 @@ class Chat:
         if switch is not None and decoding.long_factors and total <= switch:
             return None  # rewound below the switch: its keys have the long factors, a fresh prompt the short ones
         crosses = switch is not None and not decoding.long_factors and total > switch
-        if total + max_new_tokens <= decoding.max_length and not crosses and guidance is None and not decoding.guided:
+        if total + max_new_tokens <= decoding.max_length and not crosses and guidance is None and \
+                not decoding.guided and not sampling.seeded:
             return _Plan(loaded, total, decoding.max_length, append=new, keep=reuse.keep)
-        # Restart over the same ids: more room, or a prompt past the LongRoPE switch (all keys with long factors).
+        # Restart over the same ids: more room, a prompt past the LongRoPE switch (all keys with long factors), or a
+        # seeded answer (the generator's random stream is seeded when it is made and cannot be reseeded: a kept one
+        # has drawn for the answers before, so the same seed would not give the answer a fresh conversation gets).
         return self._fresh(loaded, _with_ids(decoding.inputs, ids[:reuse.keep] + new), total, max_new_tokens,
                            self.follow_up_room)
 
@@ -419,6 +429,12 @@ class Chat:
         """The plan that runs and the answer of its decoding: the kept one extended, or a new one (the old one freed
         first)."""
         plan = answering.plan
+        if answering.question is None:
+            self._forget()
+            decoding = Decoding(plan.loaded, plan.inputs, plan.max_length, answering.sampling, None,
+                                self.package.longrope_switch)
+            self._kept = _Kept(decoding, None, None, (), raw=True)  # held while it answers: its cache is counted
+            return plan, decoding.answer(answering.options, self.token_bytes, answering.started, plan.prompt_tokens)
         if plan.append is not None and (self._kept is None or not self._kept.decoding.alive):
             # released since the answer was prepared: the whole conversation is prefilled instead
             plan = self._plan(plan.loaded, answering.question, answering.options.max_new_tokens, answering.sampling,
@@ -443,6 +459,10 @@ class Chat:
         if self._kept is not None:
             self._kept.turns = tuple(self.turns)
 
+    def _end_raw(self, stats: Stats | None) -> None:
+        self.last_stats = stats
+        self._forget()
+
     def _forget(self) -> None:
         if self._kept is not None:
             self._kept.decoding.close()
@@ -461,11 +481,15 @@ class Chat:
 
     # ---- raw generation ------------------------------------------------------------------------------------------
 
-    def generate(self, prompt: str, images: Sequence[MediaSource] = (), audios: Sequence[MediaSource] = (),
-                 max_new_tokens: int = 32, sampling: Sampling | None = None) -> Generation:
-        """Run one prompt as written (no chat template, no history): the processor tensors and the new token ids."""
+    def prepare_prompt(self, prompt: str, images: Sequence[MediaSource] = (), audios: Sequence[MediaSource] = (),
+                       max_new_tokens: int = 32, sampling: Sampling | None = None,
+                       logprobs: int | None = None) -> Answering:
+        """The answer to one prompt as written (no chat template, no history, nothing recorded), prepared as
+        ``prepare``'s; its decoding replaces the kept one (freed first) and is freed when it ends."""
         if max_new_tokens < 1:
             raise ValueError("max_new_tokens must be at least 1")
+        if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
         started = time.perf_counter()
         images = [open_image(p, self.media) for p in images]
         audios = [open_audio(p, self.media) for p in audios]
@@ -473,18 +497,22 @@ class Chat:
             raise PackageError("this package has no speech model, so it cannot take audio")
         loaded = self.package.load(self.variant_for(bool(images), bool(audios)))
         inputs = loaded.process(prompt, images, audios)
+        plan = self._fresh(loaded, inputs, int(inputs["input_ids"].shape()[-1]), max_new_tokens, room=0)
+        return Answering(self, None, plan, sampling or Sampling(), None,
+                         Options(max_new_tokens, logprobs, self.keep_logits), started)
+
+    def generate(self, prompt: str, images: Sequence[MediaSource] = (), audios: Sequence[MediaSource] = (),
+                 max_new_tokens: int = 32, sampling: Sampling | None = None) -> Generation:
+        """Run one prompt as written (no chat template, no history): the processor tensors and the new token ids.
+        Like prepare_prompt, it frees the kept decoding first (the next question is prefilled whole)."""
+        answering = self.prepare_prompt(prompt, images, audios, max_new_tokens, sampling)
+        inputs = answering.plan.inputs
         arrays = {}
         for name in inputs.keys():
             array = inputs[name].as_numpy()
             arrays[name] = array.astype(np.int64) if array.dtype.kind == "i" and array.dtype.itemsize == 8 else array
-        plan = self._fresh(loaded, inputs, int(arrays["input_ids"].shape[-1]), max_new_tokens, room=0)
-        decoding = Decoding(loaded, inputs, plan.max_length, sampling or Sampling(), None,
-                            self.package.longrope_switch)
-        answer = decoding.answer(Options(max_new_tokens), self.token_bytes, started, plan.prompt_tokens)
-        steps = list(answer)
-        decoding.close()
-        self.last_stats = answer.stats
-        return Generation(arrays, [s.token for s in steps], "".join(s.text for s in steps), loaded.variant,
+        steps = list(answering)
+        return Generation(arrays, [s.token for s in steps], "".join(s.text for s in steps), answering.variant,
                           self.last_stats)
 
 

@@ -29,31 +29,44 @@ from builder_plugin.runtime.guidance import Guidance
 from builder_plugin.runtime.package import LoadedModel
 from builder_plugin.runtime.tokens import TokenBytes, TokenLogprob, token_logprob
 
+SEED_RANGE = 1 << 31  # onnxruntime-genai reads random_seed as a non-negative int (a negative one: a random seed)
+
 
 @dataclass(frozen=True)
 class Sampling:
-    """Search options of one answer; the default (all None) is greedy search."""
+    """Search options of one answer, with the OpenAI API's meaning: the default (all None) is greedy search, and so is
+    temperature 0. Setting `temperature`, `top_p` or `top_k` samples, the others taking the OpenAI defaults
+    (temperature 1, top_p 1, no top-k limit); a `seed` makes the samples reproducible (any int; without one each
+    answer draws its own). The package's own search options (do_sample false, the checkpoint's top_k) are not used.
+
+    onnxruntime-genai 0.18 reads top_k 0 as no limit and top_p 1 as the whole vocabulary, but its sampler without a
+    top_k ignores top_p (measured: every top_p gave the samples of top_p 1); its top-k-then-top-p sampler keeps the
+    exact nucleus, so a top_p without a top_k is given with top_k = the vocabulary size."""
 
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
 
-    def search_options(self) -> dict[str, Any]:
-        if self.temperature is None and self.top_p is None and self.top_k is None:
+    @property
+    def samples(self) -> bool:
+        return (self.temperature, self.top_p, self.top_k) != (None, None, None) and \
+            (self.temperature is None or self.temperature > 0)
+
+    @property
+    def seeded(self) -> bool:
+        """Sampled with a seed: its answer depends only on the ids it starts from (the generator's random stream is
+        seeded when the generator is made, so such an answer needs a generator of its own)."""
+        return self.samples and self.seed is not None
+
+    def search_options(self, vocab_size: int) -> dict[str, Any]:
+        if not self.samples:
             return {"do_sample": False}
-        if self.temperature is not None and self.temperature <= 0:
-            return {"do_sample": False}  # temperature 0 means greedy, as in the OpenAI API
-        options: dict[str, Any] = {"do_sample": True}
-        if self.temperature is not None:
-            options["temperature"] = float(self.temperature)
-        if self.top_p is not None:
-            options["top_p"] = float(self.top_p)
-        if self.top_k is not None:
-            options["top_k"] = int(self.top_k)
-        if self.seed is not None:
-            options["random_seed"] = int(self.seed)
-        return options
+        top_p = 1.0 if self.top_p is None else float(self.top_p)
+        top_k = min(self.top_k or (vocab_size if top_p < 1 else 0), vocab_size)
+        return {"do_sample": True, "temperature": float(1.0 if self.temperature is None else self.temperature),
+                "top_p": top_p, "top_k": top_k,
+                "random_seed": -1 if self.seed is None else int(self.seed) % SEED_RANGE}
 
 
 @dataclass(frozen=True)
@@ -174,7 +187,8 @@ class Decoding:
     def _new_generator(self, inputs: Any, guidance: Guidance | None) -> Any:
         model = self.loaded.model
         params = og.GeneratorParams(model)
-        params.set_search_options(max_length=self.max_length, **self.sampling.search_options())
+        params.set_search_options(max_length=self.max_length,
+                                  **self.sampling.search_options(self.loaded.vocab_size))
         if guidance is not None:
             params.set_guidance(guidance.kind, guidance.data)
         try:

@@ -72,9 +72,10 @@ class Tokens(Markers):
 class LoadedModel:
     """One decoder file's og.Model with its processor and tokenizer."""
 
-    def __init__(self, variant: str, model: Any) -> None:
+    def __init__(self, variant: str, model: Any, vocab_size: int) -> None:
         self.variant = variant
         self.model = model
+        self.vocab_size = vocab_size
         self.processor = model.create_multimodal_processor()
         self.tokenizer = og.Tokenizer(model)
         (end,), (assistant,) = self.tokenizer.encode(END), self.tokenizer.encode(ASSISTANT)
@@ -181,6 +182,7 @@ class Package:
             model = self.genai_config["model"]
             self.main_decoder: str = model["decoder"]["filename"]
             self.context_length = int(model["context_length"])
+            self.vocab_size = int(model["vocab_size"])
             configured = int(self.genai_config.get("search", {}).get("max_length") or self.context_length)
             self.manifest = Manifest.read(self.dir, self.main_decoder)
         except (ValueError, KeyError, TypeError) as exc:
@@ -245,7 +247,7 @@ class Package:
                     config.append_provider(self.execution_provider)
             with kernel_library.loading(self.kernel_library):
                 model = og.Model(config)
-            return LoadedModel(variant, model)
+            return LoadedModel(variant, model, self.vocab_size)
         except RuntimeError as exc:
             raise PackageError(f"cannot load {self.dir / variant}: {first_line(exc)}") from exc
 

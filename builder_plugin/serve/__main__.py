@@ -1,4 +1,5 @@
-"""python -m builder_plugin.serve PACKAGE: serve a built package over the OpenAI chat-completions API."""
+"""python -m builder_plugin.serve PACKAGE: serve a built package over the OpenAI API (chat completions, responses,
+completions)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,13 @@ LIMITS = MediaLimits()
 
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m builder_plugin.serve",
-                                description="Serve a Phi-4-multimodal package over the OpenAI chat-completions API.")
+                                description="Serve a Phi-4-multimodal package over the OpenAI API (chat "
+                                "completions, responses, completions).")
     p.add_argument("--version", action="version", version=f"builder_plugin {__version__}")
     p.add_argument("package", help="folder of the built package (with genai_config.json)")
+    p.add_argument("--served-model-name", metavar="NAME", default=None,
+                   help="the model id clients name in requests and GET /v1/models lists (default: the package "
+                   "folder's name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     p.add_argument("--port", type=int, default=8000,
                    help="port to listen on; 0 picks a free one (default: %(default)s)")
@@ -41,6 +46,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM, SIGINT or SIGHUP: how long answers in progress may go on before they end "
                    "with finish_reason \"length\"; meanwhile the server keeps listening and answers new requests and "
                    "GET /health with 503, then closes (default: %(default)s)")
+    p.add_argument("--stored-responses", type=int, default=defaults.STORED_RESPONSES, metavar="N",
+                   help="/v1/responses kept in memory (the last N with store true) for previous_response_id and GET "
+                   "/v1/responses/ID; 0 keeps none (default: %(default)s)")
     p.add_argument("--max-body-mb", type=float, default=32, metavar="N",
                    help="largest request body in MB; larger ones get 413 (default: %(default)s)")
     p.add_argument("--allow-local-files", action="store_true",
@@ -74,7 +82,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="run on this provider (default: the one the package was built for)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="intra-op threads of every session (default: one per physical core this process may use)")
-    p.add_argument("-v", "--verbose", action="store_true", help="debug logs and tracebacks")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="a log line per request (method, path, status, prompt tokens, time to the first token, "
+                   "tokens/s; never a body or a key), debug logs and tracebacks")
     return p
 
 
@@ -115,12 +125,17 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError("--max-image-megapixels, --max-audio-seconds and --media-timeout must be positive")
     if args.max_tokens < 1:
         raise ValueError("--max-tokens must be at least 1")
+    if args.stored_responses < 0:
+        raise ValueError("--stored-responses must not be negative")
     if args.max_conversations < 1:
         raise ValueError("--max-conversations must be at least 1")
     if args.kv_budget_gb is not None and args.kv_budget_gb <= 0:
         raise ValueError("--kv-budget-gb must be positive")
     if args.drain_seconds < 0:
         raise ValueError("--drain-seconds must not be negative")
+    if args.served_model_name is not None and (not args.served_model_name.strip() or
+                                               args.served_model_name != args.served_model_name.strip()):
+        raise ValueError("--served-model-name must be a non-empty name without surrounding blanks")
     limits = replace(LIMITS, max_image_pixels=int(args.max_image_megapixels * 1e6),
                      max_audio_seconds=args.max_audio_seconds, decode_seconds=args.media_timeout)
     api_keys = requested_keys(args.api_keys, os.environ)
@@ -134,11 +149,15 @@ def serve(args: argparse.Namespace) -> int:
         cache = MediaCache(MediaDecoder(limits, processes=defaults.MEDIA_PROCESSES), int(args.media_cache_mb * MB))
         try:
             budget = int(args.kv_budget_gb * GB) if args.kv_budget_gb is not None else None
-            routes = Server(package, cache, max_queue=args.max_queue, max_body_bytes=int(args.max_body_mb * MB),
-                            allow_local_files=args.allow_local_files, max_tokens=args.max_tokens,
+            routes = Server(package, cache, model_id=args.served_model_name, max_queue=args.max_queue,
+                            max_body_bytes=int(args.max_body_mb * MB), allow_local_files=args.allow_local_files,
+                            max_tokens=args.max_tokens,
                             max_conversations=args.max_conversations, kv_budget_bytes=budget, api_keys=api_keys,
-                            ui=args.ui, allowed_origins=origins)
+                            ui=args.ui, allowed_origins=origins, log_requests=args.verbose,
+                            stored_responses=args.stored_responses)
+            # -v: the request log's lines replace uvicorn's access log
             server = StoppableServer(uvicorn.Config(routes.app(), log_level="debug" if args.verbose else "info",
+                                                    access_log=not args.verbose,
                                                     timeout_graceful_shutdown=args.drain_seconds + 5))
             server.drain = functools.partial(routes.worker.drain, args.drain_seconds, wait=True)
             print(f"serving {routes.model_id} at http://{host}:{port}/v1", flush=True)

@@ -1,16 +1,15 @@
-"""The ASGI app: /v1/chat/completions (JSON or server-sent events), /v1/models, /health, /metrics and the chat page
-(/), in front of one Worker that answers in the kept conversations of a ConversationPool; with API keys, every route
-but /health and the page needs one; with allowed origins, browsers on them may call it (CORS)."""
+"""The ASGI app: /v1/chat/completions, /v1/responses and /v1/completions (JSON or server-sent events), /v1/models,
+/health, /metrics and the chat page (/), in front of one Worker that answers in the kept conversations of a
+ConversationPool; with API keys, every route but /health and the page needs one; with allowed origins, browsers on
+them may call it (CORS)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from starlette.applications import Starlette
@@ -24,15 +23,26 @@ from starlette.routing import Route
 from builder_plugin.runtime import TOOL_CALL_CLOSE, TOOL_CALL_OPEN, Chat, Package, TokenLogprob
 from builder_plugin.serve import defaults
 from builder_plugin.serve.auth import OPEN, BearerAuth, check_keys
+from builder_plugin.serve.completions import CompletionWriter, parse_completion
 from builder_plugin.serve.cors import check_origins, cors_middleware
 from builder_plugin.serve.errors import ApiError
+from builder_plugin.serve.events import Collected, Event, Failed, Finished, Piece, Started, ToolCalls
 from builder_plugin.serve.media import MediaCache, MediaReader
 from builder_plugin.serve.metrics import CountChatResponses, Metrics
 from builder_plugin.serve.page import ChatPage
 from builder_plugin.serve.pool import ConversationPool, available_memory, default_kv_budget
-from builder_plugin.serve.protocol import ChatRequest, Reply, parse_messages, parse_request, usage
-from builder_plugin.serve.tools import stream_deltas
-from builder_plugin.serve.worker import Event, Failed, Finished, Job, Piece, Started, ToolCalls, Worker
+from builder_plugin.serve.protocol import (
+    ChatRequest,
+    ChatWriter,
+    Exchange,
+    Prompt,
+    Writer,
+    parse_messages,
+    parse_request,
+)
+from builder_plugin.serve.requestlog import AnswerRecord, RequestLog, answer_record
+from builder_plugin.serve.responses import ResponseStore, ResponsesWriter, not_found, parse_responses
+from builder_plugin.serve.worker import Job, Worker
 
 log = logging.getLogger("builder_plugin.serve")
 
@@ -47,13 +57,16 @@ class Server:
     """The routes and the state they share: the opened package, its conversations in the pool behind one Worker, the
     media cache and the limits. `kv_budget_bytes` None: the pool's default (pool.default_kv_budget); `ui`: serve the
     chat page; `allowed_origins`: the browser origins that may call the server (none: CORS is off; `*`: any);
-    `new_chat` makes the pool's Chats (a test may hold them)."""
+    `log_requests`: a log line per request (requestlog.py); `new_chat` makes the pool's Chats (a test may hold
+    them)."""
 
     def __init__(self, package: Package, media_cache: MediaCache, *, model_id: str | None = None,
                  max_queue: int = defaults.MAX_QUEUE, max_body_bytes: int = 32 * MB, allow_local_files: bool = False,
                  max_tokens: int | None = None, max_conversations: int = defaults.MAX_CONVERSATIONS,
                  kv_budget_bytes: int | None = None, api_keys: Sequence[str] = (), ui: bool = True,
-                 allowed_origins: Sequence[str] = (), new_chat: Callable[[Package], Chat] = Chat) -> None:
+                 allowed_origins: Sequence[str] = (), log_requests: bool = False,
+                 stored_responses: int = defaults.STORED_RESPONSES,
+                 new_chat: Callable[[Package], Chat] = Chat) -> None:
         self.package = package
         self.model_id = model_id or package.dir.resolve().name
         self.media_cache = media_cache
@@ -66,6 +79,8 @@ class Server:
         self.api_keys = check_keys(api_keys)  # none: every request is accepted
         self.page = ChatPage() if ui else None
         self.allowed_origins = check_origins(allowed_origins)
+        self.log_requests = log_requests
+        self.stored = ResponseStore(stored_responses)  # /v1/responses kept for previous_response_id
         self.metrics = Metrics(queue_depth=lambda: self.worker.waiting, active_requests=lambda: self.worker.answering,
                                live_conversations=lambda: self.pool.live_conversations,
                                kv_bytes=lambda: self.pool.kv_bytes,
@@ -84,6 +99,9 @@ class Server:
 
         routes = [
             Route("/v1/chat/completions", self.chat_completions, methods=["POST"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/responses", self.responses, methods=["POST"]),
+            Route("/v1/responses/{response_id}", self.response, methods=["GET"]),
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/models/{model_id:path}", self.model, methods=["GET"]),
             Route("/health", self.health, methods=["GET"]),
@@ -92,8 +110,11 @@ class Server:
         ]
         handlers = {HTTPException: _http_error, ApiError: _api_error, ClientGone: _client_gone,
                     Exception: _unexpected_error}
-        # outermost: CORS answers preflights (never counted nor asked for a key) and adds its headers to every answer
-        middleware = [cors_middleware(self.allowed_origins)] if self.allowed_origins else []
+        # outermost: the request log (it sees every status sent), then CORS, which answers preflights (never counted
+        # nor asked for a key) and adds its headers to every answer
+        middleware = [Middleware(RequestLog)] if self.log_requests else []
+        if self.allowed_origins:
+            middleware.append(cors_middleware(self.allowed_origins))
         middleware.append(Middleware(CountChatResponses, metrics=self.metrics))  # it also counts the 401s
         if self.api_keys:
             open_paths = OPEN | (self.page.open_paths if self.page is not None else frozenset())
@@ -126,39 +147,66 @@ class Server:
     async def chat_completions(self, request: Request) -> Response:
         received = time.perf_counter()
         parsed = parse_request(await self._read_body(request))
-        if parsed.model is not None and parsed.model != self.model_id:
-            raise _unknown_model(parsed.model)
+        self._check_model(parsed.model)
+        exchange = await self._exchange(parsed, parsed.messages)
+        return await self._answer(request, parsed, exchange, received, ChatWriter(self.model_id, parsed))
+
+    async def completions(self, request: Request) -> Response:
+        received = time.perf_counter()
+        parsed = parse_completion(await self._read_body(request))
+        self._check_model(parsed.request.model)
+        return await self._answer(request, parsed.request, parsed.prompt, received,
+                                  CompletionWriter(self.model_id, parsed))
+
+    async def responses(self, request: Request) -> Response:
+        received = time.perf_counter()
+        parsed = parse_responses(await self._read_body(request), self.stored)
+        self._check_model(parsed.request.model)
+        exchange = await self._exchange(parsed.request, parsed.request.messages, parsed.where)
+        return await self._answer(request, parsed.request, exchange, received,
+                                  ResponsesWriter(self.model_id, parsed, self.stored))
+
+    async def response(self, request: Request) -> Response:
+        stored = self.stored.get(request.path_params["response_id"])
+        if stored is None:
+            raise not_found(request.path_params["response_id"])
+        return JSONResponse(stored.body)
+
+    async def _exchange(self, parsed: ChatRequest, messages: Sequence[dict[str, Any]],
+                        where: Sequence[str] | None = None) -> Exchange:
+        """The conversation of `messages` (media decoded off the event loop); raises ApiError (400)."""
+        if parsed.tools is not None and not await run_in_threadpool(self._has_tool_tokens):
+            raise ApiError(f"tools: this model's tokenizer has no tool-call tokens ({TOOL_CALL_OPEN}, "
+                           f"{TOOL_CALL_CLOSE}), so it cannot call tools", param="tools", code="tools_not_supported")
         media = MediaReader(self.media_cache, self.allow_local_files)
-        reply = Reply.new(self.model_id)
-        job, events = await self._submit(parsed, media, received)
+        exchange = await run_in_threadpool(parse_messages, messages, media, where, parsed.prompt_field)
+        if exchange.has_audio and not self.package.has_speech:
+            raise ApiError("this model has no speech encoder, so it cannot take audio", param=parsed.prompt_field,
+                           code="audio_not_supported")
+        return exchange
+
+    async def _answer(self, request: Request, parsed: ChatRequest, exchange: Exchange | Prompt, received: float,
+                      writer: Writer) -> Response:
+        """Queue the answer and give it in the writer's form, as one JSON body or as server-sent events; raises
+        ApiError (429, 503, or the answer's own error when it fails before it starts).
+        `received`: the perf_counter time the request arrived (of the time-to-first-token metric)."""
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        emit = _recording(self.metrics, received, _emitter(asyncio.get_running_loop(), events),
+                          answer_record(request.scope))
+        job = Job(parsed, exchange, emit, max_new_tokens=parsed.max_new_tokens or self.max_tokens)
+        self.worker.submit(job)
         if parsed.stream:
             first = await _until_disconnect(request, job, events.get())
             if isinstance(first, Failed):
                 raise first.error
-            return StreamingResponse(_stream(job, events, reply, parsed.include_usage),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(_stream(job, events, writer), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
         answer = await _until_disconnect(request, job, _collect(events))
-        finished = answer.finished
-        return JSONResponse(reply.completion(answer.text or (None if answer.calls else ""), finished.finish_reason,
-                                             usage(finished.prompt_tokens, finished.completion_tokens),
-                                             answer.calls, answer.logprobs if parsed.logprobs is not None else None))
+        return JSONResponse(writer.body(answer))
 
-    async def _submit(self, parsed: ChatRequest, media: MediaReader,
-                      received: float) -> tuple[Job, asyncio.Queue[Event]]:
-        """Parse the messages (decoding their media) and queue the job; raises ApiError (400, 429).
-        `received`: the perf_counter time the request arrived (of the time-to-first-token metric)."""
-        if parsed.tools is not None and not await run_in_threadpool(self._has_tool_tokens):
-            raise ApiError(f"tools: this model's tokenizer has no tool-call tokens ({TOOL_CALL_OPEN}, "
-                           f"{TOOL_CALL_CLOSE}), so it cannot call tools", param="tools", code="tools_not_supported")
-        exchange = await run_in_threadpool(parse_messages, parsed.messages, media)
-        if exchange.has_audio and not self.package.has_speech:
-            raise ApiError("this model has no speech encoder, so it cannot take audio", param="messages",
-                           code="audio_not_supported")
-        events: asyncio.Queue[Event] = asyncio.Queue()
-        job = Job(parsed, exchange, _recording(self.metrics, received, _emitter(asyncio.get_running_loop(), events)),
-                  max_new_tokens=parsed.max_new_tokens or self.max_tokens)
-        self.worker.submit(job)
-        return job, events
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_id:
+            raise _unknown_model(model)
 
     # ---- helpers -------------------------------------------------------------------------------------------------
 
@@ -192,9 +240,11 @@ def _emitter(loop: asyncio.AbstractEventLoop, events: asyncio.Queue[Event]):
     return emit
 
 
-def _recording(metrics: Metrics, received: float, emit: Callable[[Event], None]) -> Callable[[Event], None]:
-    """`emit`, recording in `metrics` the answer's time to its first piece, and when it finishes its tokens and its
-    time per token after the first (called on the worker thread, as the events are made)."""
+def _recording(metrics: Metrics, received: float, emit: Callable[[Event], None],
+               record: AnswerRecord | None) -> Callable[[Event], None]:
+    """`emit`, recording in `metrics` (and in the request log's `record`, when requests are logged) the answer's time
+    to its first piece, and when it finishes its tokens and its time per token after the first (called on the worker
+    thread, as the events are made)."""
     first_piece: float | None = None
 
     def recording_emit(event: Event) -> None:
@@ -204,24 +254,21 @@ def _recording(metrics: Metrics, received: float, emit: Callable[[Event], None])
             metrics.first_token(first_piece - received)
         elif isinstance(event, Finished):
             metrics.tokens(event.prompt_tokens, event.completion_tokens)
+            mean = None
             if first_piece is not None and event.completion_tokens > 1:
                 mean = (time.perf_counter() - first_piece) / (event.completion_tokens - 1)
                 for _ in range(event.completion_tokens - 1):
                     metrics.token_interval(mean)
+            if record is not None:
+                record.prompt_tokens, record.completion_tokens = event.prompt_tokens, event.completion_tokens
+                record.first_token_s = first_piece - received if first_piece is not None else None
+                record.tokens_per_s = 1 / mean if mean else None
         emit(event)
 
     return recording_emit
 
 
-@dataclass
-class _Answer:
-    text: str
-    finished: Finished
-    calls: list[dict[str, Any]]
-    logprobs: list[TokenLogprob]
-
-
-async def _collect(events: asyncio.Queue[Event]) -> _Answer:
+async def _collect(events: asyncio.Queue[Event]) -> Collected:
     pieces: list[str] = []
     calls: list[dict[str, Any]] = []
     logprobs: list[TokenLogprob] = []
@@ -233,7 +280,7 @@ async def _collect(events: asyncio.Queue[Event]) -> _Answer:
         elif isinstance(event, ToolCalls):
             calls.extend(event.calls)
         elif isinstance(event, Finished):
-            return _Answer("".join(pieces), event, calls, logprobs)
+            return Collected("".join(pieces), event, calls, logprobs)
         elif isinstance(event, Failed):
             raise event.error
 
@@ -259,36 +306,34 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _stream(job: Job, events: asyncio.Queue[Event], reply: Reply, include_usage: bool) -> AsyncIterator[str]:
-    """Server-sent events: a role chunk, content chunks, a finish chunk, a usage chunk when asked, then [DONE].
-    Starlette cancels this when the client disconnects; the job is then cancelled too."""
-    logprobs = job.request.logprobs is not None
+async def _stream(job: Job, events: asyncio.Queue[Event], writer: Writer) -> AsyncIterator[str]:
+    """The answer's server-sent events in the writer's form. Starlette cancels this when the client disconnects; the
+    job is then cancelled too."""
     try:
-        yield _sse(reply.chunk({"role": "assistant", "content": ""}))
+        for text in writer.opening():
+            yield text
         while True:
             event = await events.get()
             if isinstance(event, Piece):
-                yield _sse(reply.chunk({"content": event.text}, logprobs=list(event.logprobs) if logprobs else None))
+                out = writer.piece(event)
             elif isinstance(event, ToolCalls):
-                for delta in stream_deltas(event.calls):
-                    yield _sse(reply.chunk(delta))
+                out = writer.calls(event)
             elif isinstance(event, Finished):
-                yield _sse(reply.chunk({}, event.finish_reason))
-                if include_usage:
-                    yield _sse(reply.usage_chunk(usage(event.prompt_tokens, event.completion_tokens)))
-                break
+                out = writer.finished(event)
             elif isinstance(event, Failed):
-                yield _sse(event.error.body())
-                break
-            elif not isinstance(event, Started):
+                out = writer.failed(event.error)
+            elif isinstance(event, Started):
+                continue
+            else:
                 raise TypeError(f"unexpected event {event!r}")
-        yield "data: [DONE]\n\n"
+            for text in out:
+                yield text
+            if isinstance(event, Finished | Failed):
+                break
+        for text in writer.closing():
+            yield text
     finally:
         job.cancel()
-
-
-def _sse(data: dict[str, Any]) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
 def _unknown_model(model: str) -> ApiError:

@@ -6,3 +6,4 @@ MAX_QUEUE = 16  # requests waiting for a conversation to answer in
 DRAIN_SECONDS = 10.0  # answers in progress may go on this long after a stop signal
 MEDIA_CACHE_MB = 256  # decoded images and clips kept in memory
 MEDIA_PROCESSES = 2  # decoder processes: a slow file holds one, not every request's media
+STORED_RESPONSES = 256  # /v1/responses kept in memory for previous_response_id (their conversations and bodies)

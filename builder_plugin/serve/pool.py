@@ -71,8 +71,10 @@ class ConversationPool:
         with self._lock:
             return self._held(s for s in self.slots if s.busy)
 
-    def acquire(self, system: str | None, tools: str | None, history: Sequence[Turn], question: Turn) -> Slot | None:
-        """The idle slot to answer this conversation in, marked busy; None when every slot is answering."""
+    def acquire(self, system: str | None, tools: str | None, history: Sequence[Turn],
+                question: Turn | None) -> Slot | None:
+        """The idle slot to answer this conversation in (`question` None: a raw prompt, which reuses none), marked
+        busy; None when every slot is answering."""
         with self._lock:
             idle = [slot for slot in self.slots if not slot.busy]
             if not idle:
@@ -117,11 +119,12 @@ class ConversationPool:
         return sum(slot.chat.kv_tokens for slot in slots) * self.kv_bytes_per_token
 
 
-def _shared_turns(slot: Slot, system: str | None, tools: str | None, history: Sequence[Turn], question: Turn) -> int:
+def _shared_turns(slot: Slot, system: str | None, tools: str | None, history: Sequence[Turn],
+                  question: Turn | None) -> int:
     """How much of this slot's kept conversation the request can reuse: the turns it shares, plus one when the
     request asks the next kept question again (0: nothing)."""
     chat = slot.chat
-    if not slot.holds_generator or chat.system != system or chat.tools != tools:
+    if question is None or not slot.holds_generator or chat.system != system or chat.tools != tools:
         return 0
     kept = chat.turns
     shared = 0

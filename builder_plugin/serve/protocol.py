@@ -8,7 +8,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -26,13 +26,15 @@ from builder_plugin.runtime import (
 )
 from builder_plugin.runtime.prompt import tagged
 from builder_plugin.serve.errors import ApiError
-from builder_plugin.serve.fields import check_fields
+from builder_plugin.serve.events import Collected, Finished, Piece, ToolCalls, sse
+from builder_plugin.serve.fields import CHAT, Fields
 from builder_plugin.serve.media import MediaReader
 from builder_plugin.serve.structured import response_guidance
-from builder_plugin.serve.tools import Tools, call_block, parse_tools
+from builder_plugin.serve.tools import Tools, call_block, parse_tools, stream_deltas
 
 ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: the newer name of system
 MAX_STOP_STRINGS = 4
+Model = TypeVar("Model", bound=BaseModel)
 
 
 class StreamOptions(BaseModel):
@@ -42,22 +44,29 @@ class StreamOptions(BaseModel):
     include_obfuscation: bool = False  # padding against side channels; a local server sends none
 
 
-class ChatCompletionRequest(BaseModel):
-    """The fields this server reads, as sent (fields.check_fields has refused the ones it cannot honour; the
-    informational ones are left out here)."""
+class RequestFields(BaseModel):
+    """The fields every endpoint reads alike, as sent (the endpoint's field table has refused the ones it cannot
+    honour; the informational ones are left out of its request model)."""
 
     model_config = ConfigDict(extra="ignore")
 
     model: str | None = None
-    messages: list[dict[str, Any]] = Field(min_length=1)
     stream: bool = False
-    stream_options: StreamOptions | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     top_k: int | None = Field(None, ge=1)
     seed: int | None = None
+
+    @property
+    def sampling(self) -> Sampling:
+        return Sampling(self.temperature, self.top_p, self.top_k, self.seed)
+
+
+class ChatCompletionRequest(RequestFields):
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    stream_options: StreamOptions | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
     n: int = 1
     tools: list[Any] | None = None
@@ -83,6 +92,8 @@ class ChatRequest:
     tools: Tools | None  # None: no tools, or tool_choice "none" (the model does not see them)
     guidance: Guidance | None  # response_format
     logprobs: int | None  # alternatives per token when log-probabilities are asked for (None: none)
+    prompt_field: str = "messages"  # the request's field an error about the conversation names
+    format_field: str = "response_format"  # and the one an error about its guidance names
 
     @property
     def tools_text(self) -> str | None:
@@ -92,21 +103,7 @@ class ChatRequest:
 
 def parse_request(body: bytes) -> ChatRequest:
     """The request in `body`; raises ApiError (400) naming the first problem."""
-    try:
-        data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ApiError(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise ApiError("the request body must be a JSON object", code="invalid_json")
-    check_fields(data)
-    try:
-        fields = ChatCompletionRequest.model_validate(data)
-    except ValidationError as exc:
-        error = exc.errors()[0]
-        param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"]).lstrip(".")
-        raise ApiError(f"{param}: {error['msg']}" if param else error["msg"], param=param or None) from None
-    if fields.n != 1:
-        raise ApiError("n: only one choice per request is supported (n=1)", param="n")
+    fields = read_request(body, CHAT, ChatCompletionRequest)
     if fields.top_logprobs is not None and not fields.logprobs:
         raise ApiError("top_logprobs: needs logprobs: true", param="top_logprobs")
     tools = parse_tools(fields.tools, fields.tool_choice, fields.parallel_tool_calls)
@@ -114,16 +111,52 @@ def parse_request(body: bytes) -> ChatRequest:
     if tools is not None and tools.constrained and guidance is not None:
         raise ApiError("response_format: cannot be combined with a required tool call (tool_choice)",
                        param="response_format")
-    stops = () if fields.stop is None else (fields.stop,) if isinstance(fields.stop, str) else tuple(fields.stop)
-    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
-        raise ApiError(f"stop: up to {MAX_STOP_STRINGS} non-empty strings", param="stop")
     return ChatRequest(
         model=fields.model, messages=tuple(fields.messages), stream=fields.stream,
         include_usage=fields.stream_options is not None and fields.stream_options.include_usage,
         max_new_tokens=fields.max_completion_tokens or fields.max_tokens,
-        sampling=Sampling(fields.temperature, fields.top_p, fields.top_k, fields.seed), stops=stops,
+        sampling=fields.sampling, stops=stop_strings(fields.stop),
         tools=tools if tools is not None and tools.offered else None, guidance=guidance,
         logprobs=(fields.top_logprobs or 0) if fields.logprobs else None)
+
+
+def read_request(body: bytes, table: Fields, model: type[Model]) -> Model:
+    """The fields of the request in `body`, read by `model` once `table` has refused the ones that cannot be
+    honoured; raises ApiError (400) naming the first problem (a request model with `n` must ask for one choice)."""
+    data = json_object(body)
+    table.check(data)
+    fields = validated(model, data)
+    if getattr(fields, "n", 1) != 1:
+        raise ApiError("n: only one choice per request is supported (n=1)", param="n")
+    return fields
+
+
+def json_object(body: bytes) -> dict[str, Any]:
+    """The JSON object of a request body; raises ApiError (400)."""
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ApiError(f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise ApiError("the request body must be a JSON object", code="invalid_json")
+    return data
+
+
+def validated(model: type[Model], data: dict[str, Any]) -> Model:
+    """`data` read by a request model; raises ApiError (400) naming the first field in error."""
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        param = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"]).lstrip(".")
+        raise ApiError(f"{param}: {error['msg']}" if param else error["msg"], param=param or None) from None
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    stops = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+        raise ApiError(f"stop: up to {MAX_STOP_STRINGS} non-empty strings", param="stop")
+    return stops
 
 
 # ---- messages -> conversation -------------------------------------------------------------------------------------
@@ -142,19 +175,35 @@ class Exchange:
         return any(turn.audios for turn in (*self.history, self.question))
 
 
-def parse_messages(messages: Sequence[dict[str, Any]], media: MediaReader) -> Exchange:
+@dataclass(frozen=True)
+class Prompt:
+    """A raw prompt (/v1/completions): given to the model as written, with no chat template and no history."""
+
+    text: str
+    system = None
+    history: tuple[Turn, ...] = ()
+    question = None  # none of a kept conversation is reused
+
+    @property
+    def has_audio(self) -> bool:
+        return False
+
+
+def parse_messages(messages: Sequence[dict[str, Any]], media: MediaReader, where: Sequence[str] | None = None,
+                   field: str = "messages") -> Exchange:
     """Messages in OpenAI form as a conversation: leading system messages are the system prompt, each user message
     (consecutive ones merged) is a question, each assistant message the answer to the question before it (its
     tool_calls written as the model's call block); the tool messages after an answer with calls are the next
-    question, in the tool role. The last message must be a user or tool message. Media parts are decoded by `media`."""
+    question, in the tool role. The last message must be a user or tool message. Media parts are decoded by `media`.
+    Errors name `where[i]` for message i (default ``messages[i]``) and `field` for the whole."""
     system: list[str] = []
     turns: list[Turn] = []
     parts: list[str | Media] = []  # the open question: its texts and media in order
     results: list[str] = []  # or the open tool results
-    question_at = 0
+    question_at = field
     called = False  # the last answer made tool calls
     for i, message in enumerate(messages):
-        param = f"messages[{i}]"
+        param = where[i] if where is not None else f"{field}[{i}]"
         if not isinstance(message, dict):
             raise ApiError(f"{param}: must be an object", param=param)
         role = message.get("role")
@@ -170,7 +219,7 @@ def parse_messages(messages: Sequence[dict[str, Any]], media: MediaReader) -> Ex
             if results:
                 raise ApiError(f"{param}: the tool results before it need an assistant answer first", param=param)
             if not parts:
-                question_at = i
+                question_at = param
             parts.extend(_user_parts(content, param, media))
         elif role == "tool":
             if parts or not (called or results):
@@ -179,7 +228,7 @@ def parse_messages(messages: Sequence[dict[str, Any]], media: MediaReader) -> Ex
             if not isinstance(message.get("tool_call_id"), str):
                 raise ApiError(f"{param}.tool_call_id: required", param=f"{param}.tool_call_id")
             if not results:
-                question_at = i
+                question_at = param
             results.append(_text_only(content, param))
         else:
             if not parts and not results:
@@ -188,12 +237,12 @@ def parse_messages(messages: Sequence[dict[str, Any]], media: MediaReader) -> Ex
             called = bool(message.get("tool_calls"))
             if called:
                 answer += call_block(message["tool_calls"], f"{param}.tool_calls")
-            turns.append(_question(parts, results, f"messages[{question_at}]", answer))
+            turns.append(_question(parts, results, question_at, answer))
             parts, results = [], []
     if not parts and not results:
-        raise ApiError("messages: the last message must be a user or tool message (the question to answer)",
-                       param="messages")
-    question = _question(parts, results, f"messages[{question_at}]", None)
+        raise ApiError(f"{field}: the last message must be a user or tool message (the question to answer)",
+                       param=field)
+    question = _question(parts, results, question_at, None)
     return Exchange("\n".join(system) if system else None, tuple(turns), question)
 
 
@@ -246,41 +295,84 @@ def _user_parts(content: Any, param: str, media: MediaReader) -> list[str | Medi
     return parts
 
 
-# ---- responses ----------------------------------------------------------------------------------------------------
+# ---- answers ------------------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Reply:
-    """Identity of one answer, shared by all its stream chunks."""
+class Writer:
+    """The bodies of one answer in an endpoint's form: the JSON response (``body``), or the stream's server-sent
+    events, opened, then one call per event, then closed."""
 
-    model: str
-    id: str
-    created: int
+    def body(self, answer: Collected) -> dict[str, Any]:
+        raise NotImplementedError
 
-    @classmethod
-    def new(cls, model: str) -> Reply:
-        return cls(model, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))
+    def opening(self) -> list[str]:
+        return []
 
-    def completion(self, text: str | None, finish_reason: str, usage: dict[str, int],
-                   tool_calls: list[dict[str, Any]] | None = None,
-                   logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
-        message: dict[str, Any] = {"role": "assistant", "content": text}
-        if tool_calls:
-            message["tool_calls"] = tool_calls
-        return {"id": self.id, "object": "chat.completion", "created": self.created, "model": self.model,
+    def piece(self, piece: Piece) -> list[str]:
+        raise NotImplementedError
+
+    def calls(self, calls: ToolCalls) -> list[str]:
+        return []
+
+    def finished(self, finished: Finished) -> list[str]:
+        raise NotImplementedError
+
+    def failed(self, error: ApiError) -> list[str]:
+        return [sse(error.body())]
+
+    def closing(self) -> list[str]:
+        return [DONE]
+
+
+DONE = "data: [DONE]\n\n"
+
+
+class ChatWriter(Writer):
+    """A chat completion, or its chunks: a role chunk, content chunks, the tool_calls deltas, a finish chunk, a usage
+    chunk when asked, then [DONE]."""
+
+    def __init__(self, model: str, request: ChatRequest) -> None:
+        self.model = model
+        self.request = request
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+
+    def body(self, answer: Collected) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": "assistant", "content": answer.text or (None if answer.calls else "")}
+        if answer.calls:
+            message["tool_calls"] = answer.calls
+        finished = answer.finished
+        logprobs = answer.logprobs if self.request.logprobs is not None else None
+        return {**self._head("chat.completion"),
                 "choices": [{"index": 0, "message": message, "logprobs": logprobs_body(logprobs),
-                             "finish_reason": finish_reason}],
-                "usage": usage}
+                             "finish_reason": finished.finish_reason}],
+                "usage": usage(finished.prompt_tokens, finished.completion_tokens)}
 
-    def chunk(self, delta: dict[str, Any], finish_reason: str | None = None,
-              logprobs: list[TokenLogprob] | None = None) -> dict[str, Any]:
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": logprobs_body(logprobs),
-                             "finish_reason": finish_reason}]}
+    def opening(self) -> list[str]:
+        return [self._chunk({"role": "assistant", "content": ""})]
 
-    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
-        return {"id": self.id, "object": "chat.completion.chunk", "created": self.created, "model": self.model,
-                "choices": [], "usage": usage}
+    def piece(self, piece: Piece) -> list[str]:
+        logprobs = list(piece.logprobs) if self.request.logprobs is not None else None
+        return [self._chunk({"content": piece.text}, logprobs=logprobs)]
+
+    def calls(self, calls: ToolCalls) -> list[str]:
+        return [self._chunk(delta) for delta in stream_deltas(calls.calls)]
+
+    def finished(self, finished: Finished) -> list[str]:
+        chunks = [self._chunk({}, finished.finish_reason)]
+        if self.request.include_usage:
+            chunks.append(sse({**self._head("chat.completion.chunk"), "choices": [],
+                               "usage": usage(finished.prompt_tokens, finished.completion_tokens)}))
+        return chunks
+
+    def _head(self, kind: str) -> dict[str, Any]:
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def _chunk(self, delta: dict[str, Any], finish_reason: str | None = None,
+               logprobs: list[TokenLogprob] | None = None) -> str:
+        return sse({**self._head("chat.completion.chunk"),
+                    "choices": [{"index": 0, "delta": delta, "logprobs": logprobs_body(logprobs),
+                                 "finish_reason": finish_reason}]})
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

@@ -79,11 +79,9 @@ class Tools:
 
 def parse_tools(tools: list[Any] | None, tool_choice: Any, parallel: bool | None) -> Tools | None:
     """The request's tools; raises ApiError (400) naming the first problem."""
-    if not tools:
-        if tool_choice not in (None, "none"):
+    if not tools:  # none, or an empty list (agent frameworks send one for an agent without tools)
+        if tool_choice not in (None, "none", "auto"):
             raise ApiError("tool_choice: needs tools", param="tool_choice")
-        if tools is not None:
-            raise ApiError("tools: must not be empty (leave it out for no tools)", param="tools")
         return None
     functions = []
     for i, tool in enumerate(tools):
@@ -179,13 +177,16 @@ class CallScanner:
         self._held = text[len(text) - keep:] if keep else ""
         return text[:len(text) - keep]
 
-    def finish(self, names: set[str], single: bool = False) -> tuple[str, list[dict[str, Any]]]:
-        """The text still to send as content, and the calls."""
+    def finish(self, names: set[str], single: bool = False, cut: bool = False) -> tuple[str, list[dict[str, Any]]]:
+        """The text still to send as content, and the calls. A call block still open when the answer was `cut` by
+        its token limit is dropped: neither content nor a call (the answer then ends with finish_reason "length")."""
         if self._block is None:
             held, self._held = self._held, ""
             return held, []
-        content, calls = parse_calls(self._block, names, single)
-        self._block = None
+        block, self._block = self._block, None
+        if cut and TOOL_CALL_CLOSE not in block:
+            return "", []
+        content, calls = parse_calls(block, names, single)
         return content or "", calls
 
 

@@ -17,10 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from builder_plugin import runtime
-from builder_plugin.runtime import Answering, TokenLogprob
+from builder_plugin.runtime import Answering
 from builder_plugin.serve.errors import ApiError, queue_full, server_error, shutting_down
+from builder_plugin.serve.events import Event, Failed, Finished, Piece, Started, ToolCalls
 from builder_plugin.serve.pool import ConversationPool, Slot
-from builder_plugin.serve.protocol import ChatRequest, Exchange
+from builder_plugin.serve.protocol import ChatRequest, Exchange, Prompt
 from builder_plugin.serve.stop import StopScanner
 from builder_plugin.serve.tools import CallScanner
 
@@ -29,41 +30,10 @@ log = logging.getLogger("builder_plugin.serve")
 DRAIN_MARGIN_S = 5.0  # past the drain deadline: the last token step of each answer, and its final events
 
 
-@dataclass(frozen=True)
-class Started:
-    """The question was accepted by the runtime; pieces follow."""
-
-
-@dataclass(frozen=True)
-class Piece:
-    text: str
-    logprobs: tuple[TokenLogprob, ...] = ()  # of the tokens generated since the last piece
-
-
-@dataclass(frozen=True)
-class ToolCalls:
-    calls: list[dict]  # OpenAI tool_calls, complete
-
-
-@dataclass(frozen=True)
-class Finished:
-    finish_reason: str  # "stop" (end of answer or a stop string), "length" or "tool_calls"
-    prompt_tokens: int
-    completion_tokens: int
-
-
-@dataclass(frozen=True)
-class Failed:
-    error: ApiError
-
-
-Event = Started | Piece | ToolCalls | Finished | Failed
-
-
 @dataclass
 class Job:
     request: ChatRequest
-    exchange: Exchange  # the request's messages, their media decoded
+    exchange: Exchange | Prompt  # the request's messages, their media decoded; or a raw prompt
     emit: Callable[[Event], None]
     max_new_tokens: int | None = None  # None: up to the maximum length
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -211,17 +181,26 @@ class Worker:
         """The slot's Chat set to the request's conversation, its answer prepared (and the KV budget reserved for it):
         prefilled on its first turn. None when the request failed (reported to it)."""
         chat, request, exchange = slot.chat, job.request, job.exchange
-        guidance, guided_by = request.guidance, "response_format"
+        guidance, guided_by = request.guidance, request.format_field
+        max_new_tokens = job.max_new_tokens or chat.max_length
         try:
+            if isinstance(exchange, Prompt):
+                answer = chat.prepare_prompt(exchange.text, max_new_tokens=max_new_tokens, sampling=request.sampling,
+                                             logprobs=request.logprobs)
+                return self._started(job, slot, answer)
             chat.resume(exchange.system, request.tools_text, exchange.history)
             if request.tools is not None and request.tools.constrained:
                 tools = request.tools
                 guidance, guided_by = chat.tool_guidance(tools.grammar_functions(), tools.single_call), "tools"
-            answer = chat.prepare(exchange.question, max_new_tokens=job.max_new_tokens or chat.max_length,
-                                  sampling=request.sampling, guidance=guidance, logprobs=request.logprobs)
+            answer = chat.prepare(exchange.question, max_new_tokens=max_new_tokens, sampling=request.sampling,
+                                  guidance=guidance, logprobs=request.logprobs)
         except runtime.ChatError as exc:
-            job.emit(Failed(chat_error(exc, guided_by)))
+            job.emit(Failed(chat_error(exc, guided_by, request.prompt_field)))
             return None
+        return self._started(job, slot, answer)
+
+    def _started(self, job: Job, slot: Slot, answer: Answering) -> _Running:
+        request = job.request
         self.pool.reserve(slot, answer.kv_tokens)
         job.emit(Started())
         return _Running(job, slot, answer, StopScanner(request.stops),
@@ -242,7 +221,7 @@ class Worker:
             self._finish(run, stopped=False)
             return True
         except runtime.ChatError as exc:
-            job.emit(Failed(chat_error(exc)))
+            job.emit(Failed(chat_error(exc, job.request.format_field, job.request.prompt_field)))
             return True
         text, stopped = run.stops.feed(step.text)
         if run.calls is not None:
@@ -259,17 +238,18 @@ class Worker:
         """The end of an answer: what the scanners held back, the tool calls found, and the Finished event."""
         job, tools, calls = run.job, run.job.request.tools, run.calls
         run.answer.close()  # stops generation; the answer so far is recorded in the conversation
+        stats = run.answer.stats
+        cut = reason == "length" or (reason is None and not stopped and stats.finish_reason == "length")
         tail = "" if stopped else run.stops.flush()
         found: list[dict] = []
         if calls is not None and tools is not None:
             tail = calls.feed(tail)
-            more, found = calls.finish(tools.names(), tools.single_call)
+            more, found = calls.finish(tools.names(), tools.single_call, cut)
             tail += more
         if tail:
             job.emit(Piece(tail))
         if found:
             job.emit(ToolCalls(found))
-        stats = run.answer.stats
         reason = reason or ("tool_calls" if found else "stop" if stopped else stats.finish_reason)
         job.emit(Finished(reason, stats.prompt_tokens, stats.new_tokens))
 
@@ -282,8 +262,9 @@ class Worker:
             run.job.emit(Failed(shutting_down()))
 
 
-def chat_error(exc: runtime.ChatError, guided_by: str = "response_format") -> ApiError:
-    """The API error for a runtime error (`guided_by`: the field whose grammar a GuidanceError is about)."""
+def chat_error(exc: runtime.ChatError, guided_by: str = "response_format", prompt: str = "messages") -> ApiError:
+    """The API error for a runtime error (`guided_by`: the field whose grammar a GuidanceError is about; `prompt`:
+    the field of the conversation)."""
     message = str(exc)
     if isinstance(exc, runtime.GuidanceError):
         return ApiError(f"{guided_by}: {message}", param=guided_by, code="invalid_schema")
@@ -291,11 +272,11 @@ def chat_error(exc: runtime.ChatError, guided_by: str = "response_format") -> Ap
         return ApiError(f"tools: {message}", param="tools", code="tools_not_supported")
     if isinstance(exc, runtime.PromptTooLongError):  # the advice names the server's option, not the Python API's
         return ApiError(f"{exc.summary}; send a shorter conversation, or start the server with a larger --max-length",
-                        param="messages", code="context_length_exceeded")
+                        param=prompt, code="context_length_exceeded")
     if isinstance(exc, runtime.TagMismatchError):
-        return ApiError(message, param="messages", code="invalid_media_tags")
+        return ApiError(message, param=prompt, code="invalid_media_tags")
     if isinstance(exc, runtime.UnsupportedMediaError | runtime.MediaNotFoundError):
-        return ApiError(message, param=getattr(exc, "source", None) or "messages", code="invalid_media")
+        return ApiError(message, param=getattr(exc, "source", None) or prompt, code="invalid_media")
     if isinstance(exc, runtime.PackageError):
         return server_error(message)
     return ApiError(message)

@@ -28,7 +28,7 @@ class Threshold:
         return ", ".join(parts)
 
 
-# Why these numbers: README, "Verify a package".
+# Why these numbers: docs/verify.md.
 THRESHOLDS: dict[str, Threshold] = {
     "fp32": Threshold(max_relative_diff=1e-3, min_top1=1.0, max_mean_kl=None),
     "fp16": Threshold(max_relative_diff=None, min_top1=0.97, max_mean_kl=5e-3),

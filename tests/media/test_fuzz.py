@@ -11,9 +11,6 @@ from __future__ import annotations
 import base64
 import os
 import secrets
-import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 
@@ -22,6 +19,7 @@ import pytest
 
 from builder_plugin.runtime import Chat, UnsupportedMediaError
 from tests.support.media_corpus import Sample, hostile_corpus
+from tests.support.server_process import server_process
 from tests.support.temp import our_files
 
 SEED = int(os.environ.get("MEDIA_FUZZ_SEED") or secrets.randbits(32))
@@ -43,47 +41,33 @@ def _message(sample: Sample) -> dict:
 
 def test_the_server_answers_every_broken_file_and_keeps_serving(tiny_package, corpus, tmp_path):
     print(f"media fuzz seed {SEED} (MEDIA_FUZZ_SEED={SEED} repeats this run): {len(corpus)} files")
-    server_tmp = tmp_path / "server-tmp"
-    server_tmp.mkdir()
-    process = subprocess.Popen([sys.executable, "-m", "builder_plugin.serve", str(tiny_package), "--port", "0"],
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                               env={**os.environ, "TMPDIR": str(server_tmp)})
     statuses: Counter[str] = Counter()
     slowest = (0.0, "")
-    try:
-        line = process.stdout.readline()
-        assert line.startswith("serving "), line
-        base = line.split(" at ")[1].strip().removesuffix("/v1")
-        with httpx.Client(base_url=base, timeout=60) as client:
-            for i, sample in enumerate(corpus):
-                started = time.monotonic()
-                reply = client.post("/v1/chat/completions", json={"messages": [_message(sample)], "max_tokens": 1})
-                took = time.monotonic() - started
-                slowest = max(slowest, (took, sample.name))
-                assert reply.status_code in (200, 400), (sample.name, reply.status_code, reply.text)
-                assert took < ANSWER_WITHIN_S, (sample.name, took)
-                if reply.status_code == 400:
-                    error = reply.json()["error"]
-                    part = "image_url" if sample.kind == "image" else "input_audio"
-                    assert error["param"] == f"messages[0].content[1].{part}", (sample.name, error)
-                    assert error["message"].startswith(f"{error['param']}: ") and "\n" not in error["message"]
-                    statuses[f"400 {error['message'].split(': ', 1)[1].split(' (')[0]}"] += 1
-                else:
-                    statuses["200"] += 1
-                if i % HEALTH_EVERY == 0:
-                    assert client.get("/health").json()["status"] == "ok", sample.name
-                assert process.poll() is None, f"the server died on {sample.name}"
-            assert client.get("/health").status_code == 200
-            assert our_files(server_tmp) == []  # nothing a client sent is on disk, even while serving
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    with server_process(tiny_package, tmp_path) as server, httpx.Client(base_url=server.base_url, timeout=60) as client:
+        for i, sample in enumerate(corpus):
+            started = time.monotonic()
+            reply = client.post("/v1/chat/completions", json={"messages": [_message(sample)], "max_tokens": 1})
+            took = time.monotonic() - started
+            slowest = max(slowest, (took, sample.name))
+            assert reply.status_code in (200, 400), (sample.name, reply.status_code, reply.text)
+            assert took < ANSWER_WITHIN_S, (sample.name, took)
+            if reply.status_code == 400:
+                error = reply.json()["error"]
+                part = "image_url" if sample.kind == "image" else "input_audio"
+                assert error["param"] == f"messages[0].content[1].{part}", (sample.name, error)
+                assert error["message"].startswith(f"{error['param']}: ") and "\n" not in error["message"]
+                statuses[f"400 {error['message'].split(': ', 1)[1].split(' (')[0]}"] += 1
+            else:
+                statuses["200"] += 1
+            if i % HEALTH_EVERY == 0:
+                assert client.get("/health").json()["status"] == "ok", sample.name
+            assert server.process.poll() is None, f"the server died on {sample.name}"
+        assert client.get("/health").status_code == 200
+        assert our_files(server.tmp) == []  # nothing a client sent is on disk, even while serving
+        assert server.stop(30) == 0
     print(f"{len(corpus)} requests: {dict(statuses)}; slowest {slowest[0]:.2f} s ({slowest[1]})")
     assert statuses["200"] and sum(statuses.values()) - statuses["200"]  # both kinds of outcome were exercised
-    assert our_files(server_tmp) == []
+    assert our_files(server.tmp) == []
 
 
 def test_chat_refuses_every_unreadable_file_with_its_own_error(tiny_package, corpus, tmp_path):

@@ -13,11 +13,12 @@ import builder_plugin.verify
 
 # What the reference may import of the project: the package's shared names, and itself.
 REFERENCE_ALLOWED = ("builder_plugin", "builder_plugin.layout", "builder_plugin.reference")
-# What verify may import besides: small shared modules, the run-time helper that runs the package as an app does, and
-# the media it decodes and generates.
+# What verify may import besides: small shared modules, the run-time helper that runs the package as an app does (with
+# the kernel library it registers), and the media it decodes and generates.
 VERIFY_ALLOWED = (*REFERENCE_ALLOWED, "builder_plugin.cpus", "builder_plugin.errors", "builder_plugin.memory",
                   "builder_plugin.precisions", "builder_plugin.media", "builder_plugin.runtime",
-                  "builder_plugin.testing", "builder_plugin.testing.media", "builder_plugin.verify")
+                  "builder_plugin.kernels", "builder_plugin.testing", "builder_plugin.testing.media",
+                  "builder_plugin.verify")
 # Subpackages whose every module is allowed (the reference is checked on its own above).
 VERIFY_ALLOWED_PACKAGES = ("builder_plugin.reference", "builder_plugin.verify", "builder_plugin.runtime",
                            "builder_plugin.media")

@@ -277,7 +277,9 @@ def test_a_follow_up_with_other_sampling_starts_a_new_generator(tiny_package):
     fresh.restore(turns)
     assert "".join(fresh.ask("Tell me more.", max_new_tokens=6, sampling=sampling)) == sampled
     assert fresh.token_ids == chat.token_ids
-    list(chat.ask("And?", max_new_tokens=3, sampling=sampling))  # the same options again: the generator is kept
+    unseeded = Sampling(temperature=0.8, top_k=5)
+    list(chat.ask("And?", max_new_tokens=3, sampling=unseeded))
+    list(chat.ask("So?", max_new_tokens=3, sampling=unseeded))  # the same options again: the generator is kept
     assert chat.last_stats.reused_tokens > 0
 
 

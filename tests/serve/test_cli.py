@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,6 +13,8 @@ import httpx
 import openai
 import pytest
 
+from builder_plugin.serve.__main__ import API_KEYS_VARIABLE
+from tests.support.server_process import server_process
 from tests.support.serving import (
     AUDIO,
     IMAGE,
@@ -27,59 +29,40 @@ from tests.support.temp import our_files
 def test_cli_serves_a_package_and_keeps_nothing_a_client_sent(package, chat, media_dir, tmp_path, stop):
     """A real server process, stopped by a signal: exit 0, and nothing a client sent is written to disk (its temporary
     folder stays empty while it serves and after)."""
-    temp = tmp_path / "temp"  # the server's system temp folder
-    temp.mkdir()
-    process = subprocess.Popen([sys.executable, "-m", "builder_plugin.serve", str(package), "--port", "0"],
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                               env={**os.environ, "TMPDIR": str(temp)})
-    try:
-        line = process.stdout.readline()
-        assert line.startswith(f"serving {package.name} at http://127.0.0.1:"), line
-        url = line.split(" at ")[1].strip()
-        assert httpx.get(url.removesuffix("/v1") + "/health").json()["status"] == "ok"
-        client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+    with server_process(package, tmp_path) as server:
+        assert server.model_id == package.name
+        assert httpx.get(f"{server.base_url}/health").json()["status"] == "ok"
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
         media = (media_dir / IMAGE,), (media_dir / AUDIO,)
         assert ask_server(client, [user("Hi", *media)]) == ask_chat(chat, [("Hi", *media)])[0]
-        assert our_files(temp) == []
-        process.send_signal(getattr(signal, stop))
-        assert process.wait(timeout=30) == 0
-        assert process.stdout.read().splitlines()[-1] == f"stopped by {stop}"
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-    assert our_files(temp) == []
+        assert our_files(server.tmp) == []
+        assert server.stop(30, getattr(signal, stop)) == 0
+        assert server.stdout_lines()[-1] == f"stopped by {stop}"
+    assert our_files(server.tmp) == []
 
 
 def test_a_draining_server_answers_503_until_its_answers_end(package, tmp_path):
     """After a stop signal the server keeps listening: readiness probes and new requests get 503 (not a refused
     connection) while the answer in progress goes on, then it ends with finish_reason "length" and the server
     exits."""
-    process = subprocess.Popen([sys.executable, "-m", "builder_plugin.serve", str(package), "--port", "0",
-                                "--drain-seconds", "3"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        url = process.stdout.readline().split(" at ")[1].strip()
-        base = url.removesuffix("/v1")
+    with server_process(package, tmp_path, "--drain-seconds", "3") as server:
         body = {"messages": [user("Count.")], "max_tokens": 100_000, "stream": True,
                 "stream_options": {"include_usage": True}}
-        with httpx.Client(timeout=60) as client, client.stream("POST", f"{url}/chat/completions", json=body) as stream:
+        with httpx.Client(timeout=60) as client, \
+                client.stream("POST", f"{server.url}/chat/completions", json=body) as stream:
             lines = stream.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))  # answering
-            process.send_signal(signal.SIGTERM)
+            server.process.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + 10
-            while (health := httpx.get(f"{base}/health")).status_code == 200:
+            while (health := httpx.get(f"{server.base_url}/health")).status_code == 200:
                 assert time.monotonic() < deadline, "the server never reported draining"
                 time.sleep(0.05)
             assert (health.status_code, health.json()["status"]) == (503, "draining")
-            refused = httpx.post(f"{url}/chat/completions", json={"messages": [user("Hi")]})
+            refused = httpx.post(f"{server.url}/chat/completions", json={"messages": [user("Hi")]})
             assert (refused.status_code, refused.json()["error"]["message"]) == (503, "the server is shutting down")
             chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
         assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
-        assert process.wait(timeout=30) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+        assert server.process.wait(timeout=30) == 0
 
 
 def test_cli_errors_are_one_line(tmp_path):
@@ -90,3 +73,32 @@ def test_cli_errors_are_one_line(tmp_path):
     verbose = subprocess.run([sys.executable, "-m", "builder_plugin.serve", str(tmp_path / "nowhere"), "-v"],
                              capture_output=True, text=True, timeout=60)
     assert verbose.returncode != 0 and "Traceback" in verbose.stderr
+
+
+def test_served_model_name_and_the_request_log(package, chat, tmp_path):
+    """--served-model-name sets the id clients use; -v logs one line per request (method, path, status, prompt
+    tokens, time to the first token, tokens/s), with no body and no key."""
+    key, question = "sk-test-4c1f9e", "Describe the sea in one line."
+    with server_process(package, tmp_path, "--served-model-name", "phi4mm", "-v", "--no-ui",
+                        env={API_KEYS_VARIABLE: key}) as server:
+        assert server.model_id == "phi4mm"
+        client = openai.OpenAI(base_url=server.url, api_key=key, max_retries=0)
+        assert [m.id for m in client.models.list().data] == ["phi4mm"]
+        got = ask_server(client, [user(question)], max_tokens=8)
+        expected = ask_chat(chat, [(question, (), ())], max_new_tokens=8)[0]
+        assert got == expected
+        assert ask_server(client, [user(question)], stream=True, max_tokens=8) == expected
+        with pytest.raises(openai.NotFoundError):
+            client.chat.completions.create(model=package.name, messages=[user(question)])
+        assert server.stop(30) == 0
+    logged = server.stderr_path.read_text()
+    assert key not in logged and question not in logged
+    lines = [line for line in logged.splitlines() if line.startswith("INFO: POST /v1/chat/completions")]
+    assert len(lines) == 3, logged
+    answered = re.compile(r"INFO: POST /v1/chat/completions 200 in [\d.]+ s: (\d+) prompt tokens, (\d+) generated, "
+                          r"first token [\d.]+ s, [\d.]+ tokens/s$")
+    for line in lines[:2]:
+        match = answered.match(line)
+        assert match and (int(match[1]), int(match[2])) == (expected.prompt_tokens, expected.completion_tokens), line
+    assert lines[2].startswith("INFO: POST /v1/chat/completions 404 in ") and lines[2].endswith(" s")
+    assert any(line.startswith("INFO: GET /v1/models 200 in ") for line in logged.splitlines())

@@ -62,6 +62,25 @@ def test_required_and_named_tool_calls(server):
     assert none.message.content == plain.message.content and none.message.tool_calls is None
 
 
+def test_a_call_cut_by_max_tokens_ends_with_length(server):
+    """A call block cut by the token limit is neither content nor a call: finish_reason "length", no markup, and the
+    client raises its own length error."""
+    client = server.client()
+    question = [user("What is the weather in Paris?")]
+    for tokens in (1, 5):
+        cut = create(client, question, tools=TOOLS, tool_choice="required", max_tokens=tokens).choices[0]
+        assert (cut.finish_reason, cut.message.content, cut.message.tool_calls) == ("length", "", None)
+        chunks = list(client.chat.completions.create(model=client.models.list().data[0].id, messages=question,
+                                                     tools=TOOLS, tool_choice="required", max_tokens=tokens,
+                                                     stream=True))
+        assert [c.choices[0].finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
+        assert all(not c.choices[0].delta.content and not c.choices[0].delta.tool_calls for c in chunks)
+    with pytest.raises(openai.LengthFinishReasonError), \
+            client.chat.completions.stream(model=client.models.list().data[0].id, messages=question, tools=TOOLS,
+                                           tool_choice="required", max_tokens=5) as stream:
+        stream.get_final_completion()
+
+
 def test_tool_loop_with_an_image_and_audio(server, served, chat, media_dir):
     """Question with media -> a call -> its result -> the answer, each request re-sending the conversation. The
     assistant's tool_calls are fed back as the call block the model wrote: the server's Chat finds the

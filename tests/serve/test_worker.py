@@ -13,10 +13,11 @@ import pytest
 from builder_plugin.media import MediaDecoder
 from builder_plugin.runtime import Chat, Package
 from builder_plugin.serve.errors import ApiError
+from builder_plugin.serve.events import Failed, Finished, Piece, Started
 from builder_plugin.serve.media import MediaCache, MediaReader
 from builder_plugin.serve.pool import ConversationPool
 from builder_plugin.serve.protocol import parse_messages, parse_request
-from builder_plugin.serve.worker import Failed, Finished, Job, Piece, Started, Worker
+from builder_plugin.serve.worker import Job, Worker
 
 BUDGET = 1 << 40
 

@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tests.support.server_process import ServerProcess
 from tests.support.soak_client import SoakClient
-from tests.support.soak_server import ServerProcess
 from tests.support.soak_traffic import Answer, Question, Step, Traffic, soak_media
 
 if TYPE_CHECKING:

@@ -1,5 +1,5 @@
 """verify's limits themselves: `judge` and the near-tie rule of `compare` at their boundaries, against the limits the
-README ("Verify a package") states, written out here on their own."""
+docs/verify.md states, written out here on their own."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import pytest
 
 from builder_plugin.verify.metrics import THRESHOLDS, CaseMetrics, compare, judge
 
-# The README's table: precision -> (max |Δ logits| of the logit scale, min top-1, max mean KL in nats).
-README_LIMITS = {
+# docs/verify.md's table: precision -> (max |Δ logits| of the logit scale, min top-1, max mean KL in nats).
+DOC_LIMITS = {
     "fp32": (1e-3, 1.0, None),
     "fp16": (None, 0.97, 5e-3),
     "int8": (None, 0.93, 2e-2),
     "int4": (None, 0.80, 0.1),
 }
-NEAR_TIE = 2 * README_LIMITS["fp32"][0]  # a flip between reference logits this close (of the scale) is excused
+NEAR_TIE = 2 * DOC_LIMITS["fp32"][0]  # a flip between reference logits this close (of the scale) is excused
 SCALE = 1000.0  # the largest |reference logit| in the cases below
 VOCAB = 8
 
@@ -35,12 +35,12 @@ def _verdict(precision: str, **metrics) -> bool:
     return judge("text", [_metrics(**metrics)], THRESHOLDS[precision]).passed
 
 
-def test_the_thresholds_are_the_readme_s() -> None:
-    assert {p: (t.max_relative_diff, t.min_top1, t.max_mean_kl) for p, t in THRESHOLDS.items()} == README_LIMITS
+def test_the_thresholds_are_the_docs() -> None:
+    assert {p: (t.max_relative_diff, t.min_top1, t.max_mean_kl) for p, t in THRESHOLDS.items()} == DOC_LIMITS
 
 
 def test_fp32_logits_may_differ_by_the_limit_and_no_more() -> None:
-    limit = README_LIMITS["fp32"][0]
+    limit = DOC_LIMITS["fp32"][0]
     assert _verdict("fp32", relative=limit)
     assert not _verdict("fp32", relative=limit * 1.001)
     assert not _verdict("fp32", relative=10 * limit)
@@ -50,7 +50,7 @@ def test_fp32_logits_may_differ_by_the_limit_and_no_more() -> None:
 
 @pytest.mark.parametrize("precision", ["fp16", "int8", "int4"])
 def test_top1_and_kl_at_their_limits(precision: str) -> None:
-    _, min_top1, max_kl = README_LIMITS[precision]
+    _, min_top1, max_kl = DOC_LIMITS[precision]
     positions = 100
     at_limit = round(min_top1 * positions)
     assert _verdict(precision, positions=positions, agreed=at_limit, mean_kl=max_kl)

@@ -1,15 +1,17 @@
-"""`python -m builder_plugin.serve` as a subprocess for a soak run: started on a free 127.0.0.1 port, its resident
-memory and thread count read from /proc, stopped by SIGTERM, and the tracebacks it logged."""
+"""`python -m builder_plugin.serve` as a subprocess (the soak run's, the command line's tests): started on a free
+127.0.0.1 port, its resident memory and thread count read from /proc, stopped by a signal, and the tracebacks it
+logged."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import builder_plugin
@@ -22,10 +24,13 @@ class ServerProcess:
     """One server process; its stdout and stderr go to files in `logs` (a pipe nobody reads could fill up), its
     temporary files (TMPDIR) to `tmp` (created), where a client's media would show if the server wrote any."""
 
-    def __init__(self, package: Path, tmp: Path, logs: Path, server_args: Sequence[str] = ()) -> None:
+    def __init__(self, package: Path | str, tmp: Path, logs: Path, server_args: Sequence[str] = (),
+                 env: Mapping[str, str] | None = None, cwd: Path | None = None) -> None:
         self.command = [sys.executable, "-m", "builder_plugin.serve", str(package), "--port", "0",
                         "--host", "127.0.0.1", *server_args]
         self.tmp = tmp
+        self.env = dict(env or {})
+        self.cwd = cwd
         self.stdout_path = logs / "server.stdout"
         self.stderr_path = logs / "server.stderr"
         self.process: subprocess.Popen | None = None
@@ -43,10 +48,10 @@ class ServerProcess:
         source = str(Path(builder_plugin.__file__).resolve().parents[1])
         self.tmp.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (source, os.environ.get("PYTHONPATH")) if p),
-               "TMPDIR": str(self.tmp)}
+               "TMPDIR": str(self.tmp), **self.env}
         with open(self.stdout_path, "wb") as stdout, open(self.stderr_path, "wb") as stderr:
             self.process = subprocess.Popen(self.command, stdout=stdout, stderr=stderr, stdin=subprocess.DEVNULL,
-                                            env=env)
+                                            env=env, cwd=self.cwd)
         while True:
             first = self.stdout_path.read_text(encoding="utf-8", errors="replace").partition("\n")
             if first[1]:
@@ -72,13 +77,18 @@ class ServerProcess:
     def thread_count(self) -> int:
         return len(os.listdir(f"/proc/{self.pid}/task"))
 
-    def stop(self, timeout: float = 60) -> int | None:
-        """SIGTERM and wait; the exit status, or None when it had to be killed."""
+    @property
+    def base_url(self) -> str:
+        """http://127.0.0.1:PORT (the API is under /v1)."""
+        return self.url.removesuffix("/v1")
+
+    def stop(self, timeout: float = 60, stop_signal: signal.Signals = signal.SIGTERM) -> int | None:
+        """`stop_signal` and wait; the exit status, or None when it had to be killed."""
         if self.process is None:
             return None
         if self.process.poll() is not None:
             return self.process.returncode
-        self.process.send_signal(signal.SIGTERM)
+        self.process.send_signal(stop_signal)
         try:
             return self.process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -104,3 +114,19 @@ class ServerProcess:
                 found.append(line.strip())
                 inside = False
         return found
+
+
+@contextlib.contextmanager
+def server_process(package: Path | str, folder: Path, *server_args: str, env: Mapping[str, str] | None = None,
+                   cwd: Path | None = None, start_timeout: float = 120) -> Iterator[ServerProcess]:
+    """A started server process whose temporary folder is `folder`/tmp and logs `folder`/server.std*; killed at the
+    end if the test did not stop it."""
+    folder.mkdir(parents=True, exist_ok=True)
+    server = ServerProcess(package, folder / "tmp", folder, server_args, env, cwd)
+    try:
+        server.start(time.monotonic() + start_timeout)
+        yield server
+    finally:
+        if server.process is not None and server.process.poll() is None:
+            server.process.kill()
+            server.process.wait()

@@ -87,14 +87,14 @@ def test_the_near_tie_rule_at_its_boundary() -> None:
 def test_the_prefill_is_held_to_the_limits_on_its_own() -> None:
     """The first position (the prompt's run through the decoder, the many-rows path of a MatMul kernel) may not hide
     among the decode positions: its KL and logit difference are judged alone too."""
-    max_kl = README_LIMITS["int4"][2]
+    max_kl = DOC_LIMITS["int4"][2]
     # 1 prefill position at 5x the limit among 99 decode positions with none: the pooled mean is within the limit
     verdict = judge("text", [_metrics(positions=100, mean_kl=max_kl * 5 / 100, prefill_kl=max_kl * 5)],
                     THRESHOLDS["int4"])
     assert verdict.reasons == [f"prefill: mean KL {max_kl * 5:.3g} nats (limit {max_kl:g})"]
     assert verdict.decode_mean_kl == 0.0 and verdict.prefill_mean_kl == pytest.approx(max_kl * 5)
     assert judge("text", [_metrics(positions=100, prefill_kl=max_kl)], THRESHOLDS["int4"]).passed
-    limit = README_LIMITS["fp32"][0]
+    limit = DOC_LIMITS["fp32"][0]
     verdict = judge("text", [_metrics(prefill_relative=limit * 2)], THRESHOLDS["fp32"])
     assert f"prefill: max |Δ logits| is {limit * 2:.2g} of the logit scale (limit {limit:g})" in verdict.reasons
 

@@ -1,5 +1,6 @@
 """The project's onnxruntime operator library: a CPU kernel for com.microsoft MatMulNBits (native/, built from source
-by `pip install`) that reads the package's int4/int8 weights in place with AVX-512 VNNI.
+by `pip install`) that reads the package's int4/int8 weights in place with AVX-512 VNNI for a few rows (decode steps)
+and, on CPUs with AMX, runs many rows (prompts, encoders) on bf16 tiles.
 
 Registered on a session (onnxruntime's `SessionOptions.register_custom_ops_library`, genai_config's
 `session_options.custom_ops_library`), onnxruntime prefers it to its own kernel for every MatMulNBits of that

@@ -4,7 +4,8 @@ opened, registered through the sessions' ``custom_ops_library``, the package its
 
 - It runs a package whose every MatMulNBits it computes fast: a CPU int4 or int8 package (float32 inputs: its kernel
   is float32 only, and registered it replaces onnxruntime's for every MatMulNBits of the session) with
-  ``accuracy_level`` 4 (int8 activations per block, the CPU default); another package, another provider, an older
+  ``accuracy_level`` 4 (the CPU default: int8 activations per block; the library keeps that for decode steps and
+  runs prompts in bf16 where the CPU has AMX); another package, another provider, an older
   package without a build record, ``BUILDER_PLUGIN_KERNELS=0``, or a CPU without AVX-512 VNNI (where the library
   registers nothing) keep onnxruntime's kernel.
 - onnxruntime-genai 0.18 takes a ``custom_ops_library`` only from inside the package folder, an execution provider's

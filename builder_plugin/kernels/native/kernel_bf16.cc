@@ -13,18 +13,14 @@
 // low and high nibbles); A's rows are permuted alike (a sum over a row cares only that both operands share it).
 #include "matmul_nbits.h"
 #include "quantize.h"
-#include "tiles.h"
+#include "bf16_util.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cstring>
-#include <mutex>
 #include <vector>
-
-#define BP_BF16 \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16,fma,avx2,bmi2")))
 
 namespace bp {
 namespace {
@@ -38,48 +34,8 @@ constexpr int64_t kDepthSteps = 128;              // steps of K per panel (4096 
 constexpr int kPrefetchAhead = 512;               // bytes of a column prefetched ahead of its loads
 constexpr int64_t kTasks = 16;                    // tasks wanted per call, for the threads to share evenly
 
-// Every tile 16 rows x 64 bytes: 0-3 float sums [16 rows of A][16 columns], 4-5 activations [16 rows][32 of K], 6-7
+// The tiles (square_tiles()): 0-3 float sums [16 rows of A][16 columns], 4-5 activations [16 rows][32 of K], 6-7
 // weights [16 pairs of K][16 columns x 2].
-alignas(64) TileConfig config;
-std::once_flag config_made;
-
-void make_config() {
-  std::memset(&config, 0, sizeof config);
-  config.palette = 1;
-  for (int t = 0; t < 8; ++t) {
-    config.rows[t] = kGroup;
-    config.colsb[t] = 64;
-  }
-}
-
-// 16 x 16 32-bit values: rows become columns.
-BP_BF16 inline void transpose16(__m512i r[16]) {
-  __m512i a[16];
-  for (int i = 0; i < 8; ++i) {
-    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // r[4i + c], lane L: column 4L + c of rows 4i..4i+3
-    r[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512i x = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), y = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xdd);
-    const __m512i x2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
-    const __m512i y2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xdd);
-    a[c] = _mm512_shuffle_i32x4(x, x2, 0x88);
-    a[8 + c] = _mm512_shuffle_i32x4(x, x2, 0xdd);
-    a[4 + c] = _mm512_shuffle_i32x4(y, y2, 0x88);
-    a[12 + c] = _mm512_shuffle_i32x4(y, y2, 0xdd);
-  }
-  for (int i = 0; i < 16; ++i) r[i] = a[i];
-}
-
-BP_BF16 inline __mmask16 first_lanes(int64_t count) {
-  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << std::max<int64_t>(count, 0)) - 1);
-}
 
 struct Plan {
   const Weights* w;
@@ -354,7 +310,7 @@ BP_BF16 void run_task(void* data, size_t index) {
   gs.scale = scale_storage.data();
   gs.zero = gs.scale + scale_storage.size() / 2;
   const UnpackFn unpack = unpacker(static_cast<int>(p.w->bits), p.w->block < kStep);
-  _tile_loadconfig(&config);
+  _tile_loadconfig(&square_tiles());
   for (int64_t s0 = 0; s0 < p.steps; s0 += p.depth_steps) {
     const int64_t depth = std::min(p.depth_steps, p.steps - s0);
     for (int64_t g = 0; g < groups; ++g) {
@@ -380,9 +336,22 @@ BP_BF16 void run_task(void* data, size_t index) {
 
 }  // namespace
 
+const TileConfig& square_tiles() {
+  alignas(64) static const TileConfig config = [] {
+    TileConfig c;
+    std::memset(&c, 0, sizeof c);
+    c.palette = 1;
+    for (int t = 0; t < 8; ++t) {
+      c.rows[t] = kGroup;
+      c.colsb[t] = 64;
+    }
+    return c;
+  }();
+  return config;
+}
+
 bool matmul_bf16_amx(const Weights& w, const float* a, int64_t m, float* y, ParallelFor run, void* context) {
   if (!cpu().amx_bf16 || (w.bits != 4 && w.bits != 8) || w.block < 16 || w.g_idx != nullptr) return false;
-  std::call_once(config_made, make_config);
   Plan p{};
   p.w = &w;
   p.a = a;

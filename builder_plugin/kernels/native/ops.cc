@@ -1,7 +1,8 @@
 // The library onnxruntime loads (SessionOptions.register_custom_ops_library, genai_config's custom_ops_library): it
-// registers a CPU kernel for com.microsoft MatMulNBits, which onnxruntime then prefers to its own for every such node
-// of the session, so a package's graphs need no change. On a CPU without AVX-512 VNNI it registers nothing (one line
-// on stderr says so) and onnxruntime's own kernel runs.
+// registers a CPU kernel for com.microsoft MatMulNBits (and on CPUs with AMX bf16, MultiHeadAttention:
+// op_attention.cc), which onnxruntime then prefers to its own for every such node of the session, so a package's
+// graphs need no change. On a CPU without AVX-512 VNNI it registers nothing (one line on stderr says so) and
+// onnxruntime's own kernels run.
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -12,21 +13,17 @@
 #include <vector>
 
 #include "matmul_nbits.h"
+#include "op_common.h"
 #include "ort_abi.h"
 
 namespace {
 
+using namespace bp::op;
+
 constexpr const char* kDomain = "com.microsoft";
-constexpr const char* kLibrary = "builder_plugin ops";
 
 enum Input { kA = 0, kB, kScales, kZeroPoints, kGIdx, kBias, kInputs };
 constexpr OrtElementType kInputTypes[kInputs] = {ORT_FLOAT, ORT_UINT8, ORT_FLOAT, ORT_UINT8, ORT_INT32, ORT_FLOAT};
-
-// BUILDER_PLUGIN_OPS_TRACE=1: one line per kernel made (at session load) naming the path it takes.
-bool trace() {
-  const char* v = std::getenv("BUILDER_PLUGIN_OPS_TRACE");
-  return v != nullptr && *v && std::strcmp(v, "0") != 0;
-}
 
 // The kernel's paths: few rows (decode steps) on AVX-512 VNNI reading B in place; many rows (a prompt) on AMX, bf16
 // panels of B (bits 4 and 8, no g_idx) or the int8 block products; the float path where neither applies.
@@ -79,31 +76,16 @@ std::string describe(const Kernel& kernel) {
   return paths;
 }
 
-int64_t attribute(const ort::Api& api, const OrtKernelInfo* info, const char* name, int64_t fallback) {
-  int64_t value = fallback;
-  if (OrtStatus* status = api.KernelInfoGetAttribute_int64(info, name, &value)) {
-    api.ReleaseStatus(status);
-    return fallback;
-  }
-  return value;
-}
-
 OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* table, const OrtKernelInfo* info, void** out) {
   ort::Api api{table};
   auto* kernel = new (std::nothrow) Kernel{api};
   if (kernel == nullptr) return api.CreateStatus(ORT_FAIL, "MatMulNBits: out of memory");
-  kernel->k = attribute(api, info, "K", -1);
-  kernel->n = attribute(api, info, "N", -1);
-  kernel->bits = attribute(api, info, "bits", 4);
-  kernel->block = attribute(api, info, "block_size", -1);
-  kernel->accuracy_level = attribute(api, info, "accuracy_level", 0);
-  size_t size = 0;
-  if (OrtStatus* status = api.KernelInfo_GetNodeName(info, nullptr, &size)) api.ReleaseStatus(status);
-  if (size > 0) {
-    kernel->name.resize(size);
-    if (OrtStatus* status = api.KernelInfo_GetNodeName(info, kernel->name.data(), &size)) api.ReleaseStatus(status);
-    kernel->name.resize(std::strlen(kernel->name.c_str()));
-  }
+  kernel->k = attribute(api, info, "K", int64_t{-1});
+  kernel->n = attribute(api, info, "N", int64_t{-1});
+  kernel->bits = attribute(api, info, "bits", int64_t{4});
+  kernel->block = attribute(api, info, "block_size", int64_t{-1});
+  kernel->accuracy_level = attribute(api, info, "accuracy_level", int64_t{0});
+  kernel->name = node_name(api, info);
   if (kernel->k <= 0 || kernel->n <= 0 || kernel->block < 16 || (kernel->block & (kernel->block - 1)) ||
       kernel->bits < 2 || kernel->bits > 8) {
     std::string message = "MatMulNBits " + kernel->name + ": unsupported attributes K=" + std::to_string(kernel->k) +
@@ -122,51 +104,12 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* table, const OrtKerne
   return nullptr;
 }
 
-struct Context {
-  const ort::Api* api;
-  OrtKernelContext* context;
-};
-
-void parallel_for(void* data, void (*fn)(void*, size_t), size_t total, void* job) {
-  const auto* ctx = static_cast<const Context*>(data);
-  if (total == 1) {
-    fn(job, 0);
-    return;
-  }
-  if (OrtStatus* status = ctx->api->KernelContext_ParallelFor(ctx->context, fn, total, 0, job)) {
-    ctx->api->ReleaseStatus(status);  // no thread pool to hand the work to: run it here
-    for (size_t i = 0; i < total; ++i) fn(job, i);
-  }
-}
-
-const void* input_data(const ort::Api& api, OrtKernelContext* context, size_t index) {
-  const OrtValue* value = nullptr;
-  if (OrtStatus* status = api.KernelContext_GetInput(context, index, &value)) {
-    api.ReleaseStatus(status);
-    return nullptr;
-  }
-  if (value == nullptr) return nullptr;
-  void* data = nullptr;
-  if (OrtStatus* status = api.GetTensorMutableData(const_cast<OrtValue*>(value), &data)) {
-    api.ReleaseStatus(status);
-    return nullptr;
-  }
-  return data;
-}
-
 OrtStatus* compute(void* op_kernel, OrtKernelContext* context) {
   const auto& kernel = *static_cast<const Kernel*>(op_kernel);
   const ort::Api& api = kernel.api;
-  const OrtValue* a_value = nullptr;
-  if (OrtStatus* status = api.KernelContext_GetInput(context, kA, &a_value)) return status;
-  OrtTensorTypeAndShapeInfo* info = nullptr;
-  if (OrtStatus* status = api.GetTensorTypeAndShape(a_value, &info)) return status;
-  size_t rank = 0;
-  OrtStatus* status = api.GetDimensionsCount(info, &rank);
-  std::vector<int64_t> dims(rank);
-  if (status == nullptr && rank > 0) status = api.GetDimensions(info, dims.data(), rank);
-  api.ReleaseTensorTypeAndShapeInfo(info);
-  if (status) return status;
+  std::vector<int64_t> dims;
+  if (OrtStatus* status = input_dims(api, context, kA, dims)) return status;
+  const size_t rank = dims.size();
   if (rank == 0 || dims.back() != kernel.k)
     return api.CreateStatus(ORT_INVALID_ARGUMENT, ("MatMulNBits " + kernel.name + ": A's last dimension is not K=" +
                                                    std::to_string(kernel.k)).c_str());
@@ -208,44 +151,16 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* context) {
 void destroy_kernel(void* kernel) { delete static_cast<Kernel*>(kernel); }
 
 const char* op_name(const OrtCustomOp*) { return "MatMulNBits"; }
-const char* op_provider(const OrtCustomOp*) { return "CPUExecutionProvider"; }
 OrtElementType input_type(const OrtCustomOp*, size_t index) { return index < kInputs ? kInputTypes[index] : ORT_UNDEFINED; }
 size_t input_count(const OrtCustomOp*) { return kInputs; }
-OrtElementType output_type(const OrtCustomOp*, size_t) { return ORT_FLOAT; }
 size_t output_count(const OrtCustomOp*) { return 1; }
 OrtCustomOpCharacteristic input_characteristic(const OrtCustomOp*, size_t index) {
   return index >= kZeroPoints ? ORT_OPTIONAL : ORT_REQUIRED;
 }
 OrtCustomOpCharacteristic output_characteristic(const OrtCustomOp*, size_t) { return ORT_REQUIRED; }
-int default_memory(const OrtCustomOp*, size_t) { return 0; }
-int one(const OrtCustomOp*) { return 1; }
-int newest(const OrtCustomOp*) { return 1 << 30; }
 
-OrtCustomOp make_op() {
-  OrtCustomOp op{};
-  op.version = ort::kApiVersion;
-  op.GetName = op_name;
-  op.GetExecutionProviderType = op_provider;
-  op.GetInputType = input_type;
-  op.GetInputTypeCount = input_count;
-  op.GetOutputType = output_type;
-  op.GetOutputTypeCount = output_count;
-  op.KernelDestroy = destroy_kernel;
-  op.GetInputCharacteristic = input_characteristic;
-  op.GetOutputCharacteristic = output_characteristic;
-  op.GetInputMemoryType = default_memory;
-  op.GetVariadicInputMinArity = one;
-  op.GetVariadicInputHomogeneity = one;
-  op.GetVariadicOutputMinArity = one;
-  op.GetVariadicOutputHomogeneity = one;
-  op.CreateKernelV2 = create_kernel;
-  op.KernelComputeV2 = compute;
-  op.GetStartVersion = one;
-  op.GetEndVersion = newest;
-  return op;
-}
-
-const OrtCustomOp kMatMulNBits = make_op();
+const OrtCustomOp kMatMulNBits = custom_op(op_name, input_count, input_type, input_characteristic, output_count,
+                                           output_characteristic, create_kernel, compute, destroy_kernel);
 std::mutex domains_lock;
 std::vector<OrtCustomOpDomain*> domains;  // kept for the process' life: sessions hold on to them
 
@@ -276,6 +191,8 @@ __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOp
     domains.push_back(domain);
   }
   if (OrtStatus* status = api.CustomOpDomain_Add(domain, &kMatMulNBits)) return status;
+  if (bp::cpu().amx_bf16)  // the encoders' attention on AMX (elsewhere onnxruntime's own, which is as fast there)
+    if (OrtStatus* status = api.CustomOpDomain_Add(domain, &multi_head_attention())) return status;
   return api.AddCustomOpDomain(options, domain);
 }
 

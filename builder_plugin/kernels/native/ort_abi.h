@@ -107,11 +107,17 @@ struct Api {
   Status GetTensorTypeAndShape(const OrtValue* value, OrtTensorTypeAndShapeInfo** out) const {
     return slot<Status (*)(const OrtValue*, OrtTensorTypeAndShapeInfo**)>(table, 65)(value, out);
   }
+  Status KernelInfoGetAttribute_float(const OrtKernelInfo* info, const char* name, float* out) const {
+    return slot<Status (*)(const OrtKernelInfo*, const char*, float*)>(table, 85)(info, name, out);
+  }
   Status KernelInfoGetAttribute_int64(const OrtKernelInfo* info, const char* name, int64_t* out) const {
     return slot<Status (*)(const OrtKernelInfo*, const char*, int64_t*)>(table, 86)(info, name, out);
   }
   Status KernelContext_GetInputCount(const OrtKernelContext* context, size_t* out) const {
     return slot<Status (*)(const OrtKernelContext*, size_t*)>(table, 88)(context, out);
+  }
+  Status KernelContext_GetOutputCount(const OrtKernelContext* context, size_t* out) const {
+    return slot<Status (*)(const OrtKernelContext*, size_t*)>(table, 89)(context, out);
   }
   Status KernelContext_GetInput(const OrtKernelContext* context, size_t index, const OrtValue** out) const {
     return slot<Status (*)(const OrtKernelContext*, size_t, const OrtValue**)>(table, 90)(context, index, out);

@@ -1,0 +1,48 @@
+// What the library's custom operators share: the trace switch, attributes and node names read at kernel creation,
+// inputs and shapes read at compute, onnxruntime's thread pool as a ParallelFor, and the OrtCustomOp callbacks every
+// op answers alike.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "matmul_nbits.h"
+#include "ort_abi.h"
+
+namespace bp::op {
+
+constexpr const char* kLibrary = "builder_plugin ops";
+
+// BUILDER_PLUGIN_OPS_TRACE=1: one line per kernel made (at session load) naming the path it takes.
+bool trace();
+
+int64_t attribute(const ort::Api& api, const OrtKernelInfo* info, const char* name, int64_t fallback);
+float attribute(const ort::Api& api, const OrtKernelInfo* info, const char* name, float fallback);
+std::string node_name(const ort::Api& api, const OrtKernelInfo* info);
+
+// An input's data (null where it is absent) and its dimensions (empty where it is absent).
+const void* input_data(const ort::Api& api, OrtKernelContext* context, size_t index);
+OrtStatus* input_dims(const ort::Api& api, OrtKernelContext* context, size_t index, std::vector<int64_t>& dims);
+
+// The session's intra-op threads, through KernelContext_ParallelFor (`data`: a Context).
+struct Context {
+  const ort::Api* api;
+  OrtKernelContext* context;
+};
+void parallel_for(void* data, void (*fn)(void*, size_t), size_t total, void* job);
+
+// The OrtCustomOp of a CPU kernel with these callbacks (the rest answered alike for every op).
+OrtCustomOp custom_op(const char* (*name)(const OrtCustomOp*), size_t (*inputs)(const OrtCustomOp*),
+                      OrtElementType (*input_type)(const OrtCustomOp*, size_t),
+                      OrtCustomOpCharacteristic (*input_characteristic)(const OrtCustomOp*, size_t),
+                      size_t (*outputs)(const OrtCustomOp*),
+                      OrtCustomOpCharacteristic (*output_characteristic)(const OrtCustomOp*, size_t),
+                      OrtStatus* (*create)(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo*, void**),
+                      OrtStatus* (*compute)(void*, OrtKernelContext*), void (*destroy)(void*));
+
+// The com.microsoft MultiHeadAttention kernel of the encoders (op_attention.cc).
+const OrtCustomOp& multi_head_attention();
+
+}  // namespace bp::op

@@ -4,6 +4,7 @@ package with the project's kernel library and without it (onnxruntime's own MatM
 library), taking turns.
 
     python -m benchmarks.bench_prompt PKG [--rounds 2] [--asks 2] [--new-tokens 16] [--prompts text-512,image,audio-30s]
+                                          [--kernels library,library-avx512,onnxruntime]
     python -m benchmarks.bench_prompt --from-json benchmarks/results/prompt.json   # redo the report
 
 Reported per prompt and kernel, best / median over the rounds: time to the first token (question asked to first
@@ -41,7 +42,11 @@ from benchmarks.common import (
 )
 
 HEADING = "## Prompts through Chat"
-KERNELS = {"library": "1", "onnxruntime": "0"}  # BUILDER_PLUGIN_KERNELS
+# What each kernel setting sets: the run time's default (the library where it helps), the library held to its int8
+# AVX-512 paths (what a CPU with AVX-512 VNNI but no AMX gets from it), onnxruntime's own kernels.
+KERNELS = {"library": {"BUILDER_PLUGIN_KERNELS": "1"},
+           "library-avx512": {"BUILDER_PLUGIN_KERNELS": "1", "BUILDER_PLUGIN_OPS_PATH": "avx512"},
+           "onnxruntime": {"BUILDER_PLUGIN_KERNELS": "0"}}
 IMAGE_SIZE = (448, 448)
 AUDIO_SECONDS = 30.0
 TEXT_TOKENS = 512
@@ -91,7 +96,7 @@ def worker(package: str, prompt: str, media: str, asks: int, new_tokens: int) ->
 def _child(package: Path, prompt: str, kernels: str, media: Path, args: argparse.Namespace) -> dict[str, Any]:
     job = {"package": str(package), "prompt": prompt, "media": str(media), "asks": args.asks,
            "new_tokens": args.new_tokens}
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "BUILDER_PLUGIN_KERNELS": KERNELS[kernels]}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), **KERNELS[kernels]}
     done = subprocess.run([sys.executable, "-m", __spec__.name, "--worker", json.dumps(job)], capture_output=True,
                           text=True, env=env)
     if done.returncode:
@@ -107,7 +112,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-prompt-") as folder:
         media = make_media(Path(folder), IMAGE_SIZE, AUDIO_SECONDS)
         for round_index in range(args.rounds):
-            order = list(KERNELS) if round_index % 2 == 0 else list(KERNELS)[::-1]
+            order = args.kernels if round_index % 2 == 0 else args.kernels[::-1]
             for prompt in args.prompts:
                 for kernels in order:
                     results.setdefault(f"{prompt}|{kernels}", []).append(
@@ -142,8 +147,10 @@ def report(results: dict[str, Any]) -> str:
         f"`{results['command']}` at {results['git']['commit'][:10]}: `{Path(results['package']).name}`, each "
         f"(prompt, kernel) in a fresh process, {results['rounds']} rounds taking turns, {results['asks']} questions "
         f"per process (each a new conversation), {results['new_tokens']} new tokens, greedy. library = the run time's "
-        "default (builder_plugin's MatMulNBits where this CPU has a fast path); onnxruntime = "
-        "BUILDER_PLUGIN_KERNELS=0. Times best / median; decode and prefill tokens/s best / median.", "",
+        "default (builder_plugin's kernels where this CPU has a fast path); library-avx512 = "
+        "BUILDER_PLUGIN_OPS_PATH=avx512 (its int8 paths for every row count and onnxruntime's attention: what a CPU "
+        "with AVX-512 VNNI but no AMX gets); onnxruntime = BUILDER_PLUGIN_KERNELS=0. Times best / median; decode and "
+        "prefill tokens/s best / median.", "",
         markdown_table(["prompt", "kernel", "prompt tokens", "first token s, first question", "first token s, later",
                         "prefill tok/s", "decode tok/s", "RSS after load GB", "peak RSS GB", "load s",
                         "load average"], rows), "",
@@ -157,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--asks", type=int, default=2, help="questions per process (the first pays warm-up)")
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--prompts", type=lambda s: [p for p in s.split(",") if p], default=list(PROMPTS))
+    parser.add_argument("--kernels", type=lambda s: [k.strip() for k in s.split(",") if k.strip()],
+                        default=["library", "onnxruntime"], help=f"from: {', '.join(KERNELS)}")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR / "prompt.json")
     parser.add_argument("--doc", default=str(BENCHMARKS_DOC), help="'' leaves the docs alone")
     parser.add_argument("--note", default=None)
@@ -172,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [p for p in args.prompts if p not in PROMPTS]
     if unknown:
         parser.error(f"unknown prompt(s) {', '.join(unknown)}; choose from {', '.join(PROMPTS)}")
+    unknown = [k for k in args.kernels if k not in KERNELS]
+    if unknown:
+        parser.error(f"unknown kernel setting(s) {', '.join(unknown)}; choose from {', '.join(KERNELS)}")
     return measure_or_replay(args, argv, "bench_prompt.py", HEADING, run, report)
 
 

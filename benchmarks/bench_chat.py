@@ -35,8 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
-    BENCHMARKS_DOC,
-    RESULTS_DIR,
+    add_report_options,
     command_line,
     current_rss_bytes,
     fmt,
@@ -201,8 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--package", type=Path, required=True, help="routed package (the default build)")
     parser.add_argument("--split-package", type=Path, help="--lora split package of the same checkpoint")
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "chat.json")
-    parser.add_argument("--doc", default=str(BENCHMARKS_DOC), help="'' leaves the docs alone")
+    add_report_options(parser, "chat.json", note=False, replay=False)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--media", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--follow-up-room", type=int, help=argparse.SUPPRESS)

@@ -38,6 +38,7 @@ import numpy as np
 from benchmarks.bench_matmulnbits import layer_shapes, load, measure, write_graph
 from benchmarks.common import (
     ROOT,
+    add_report_options,
     fmt,
     machine_markdown,
     markdown_table,
@@ -234,10 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gemm-layers", type=int, default=2, help=f"layers of the {GEMM} graph (int8 weights)")
     parser.add_argument("--gemm-from-rows", type=int, default=16, help=f"row counts from which {GEMM} is timed too")
     parser.add_argument("--work", default=None, help="folder for the graph (default: the system's temporary one)")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "kernel.json")
-    parser.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"), help="'' leaves the docs alone")
-    parser.add_argument("--note", default=None, help="a note for the report (kept in --out)")
-    parser.add_argument("--from-json", type=Path, help="measure nothing: publish an earlier --out file")
+    add_report_options(parser, "kernel.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:

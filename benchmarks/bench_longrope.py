@@ -20,8 +20,7 @@ import time
 from pathlib import Path
 
 from benchmarks.common import (
-    BENCHMARKS_DOC,
-    RESULTS_DIR,
+    add_report_options,
     command_line,
     fmt,
     machine_info,
@@ -54,9 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--package", type=Path, required=True)
     parser.add_argument("--below", type=int, default=16, help="prompt tokens below the switch")
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "longrope.json")
-    parser.add_argument("--doc", default=str(BENCHMARKS_DOC), help="'' leaves the docs alone")
-    parser.add_argument("--note", default="", help="how the package was built, the machine's state (for the report)")
+    add_report_options(parser, "longrope.json", replay=False)
     args = parser.parse_args(argv)
 
     from builder_plugin.runtime import Chat, Sampling

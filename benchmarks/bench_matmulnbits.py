@@ -34,6 +34,7 @@ import numpy as np
 
 from benchmarks.common import (
     ROOT,
+    add_report_options,
     fmt,
     machine_markdown,
     markdown_table,
@@ -220,10 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--hugepages", action="store_true", help=f"also run with GLIBC_TUNABLES={HUGEPAGES_TUNABLE}")
     parser.add_argument("--work", default=None, help="folder for the graphs (default: the system's temporary one)")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "matmulnbits.json")
-    parser.add_argument("--doc", default=str(ROOT / "docs" / "benchmarks.md"), help="'' leaves the docs alone")
-    parser.add_argument("--note", default=None, help="a note for the report (kept in --out)")
-    parser.add_argument("--from-json", type=Path, help="measure nothing: publish an earlier --out file")
+    add_report_options(parser, "matmulnbits.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:

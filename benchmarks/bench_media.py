@@ -25,9 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import BENCHMARKS_DOC, RESULTS_DIR, fmt, machine_markdown, markdown_table, measure_or_replay
+from benchmarks.common import add_report_options, fmt, machine_markdown, markdown_table, measure_or_replay
 
-RESULTS = RESULTS_DIR / "media.json"
 HEADING = "## Safe media decoding"
 QUESTION = "Describe the image."
 
@@ -157,10 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--processor-package", type=Path, default=Path("demo/package"),
                    help="the package whose processor runs without --package (any size: default %(default)s)")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument("--doc", default=str(BENCHMARKS_DOC), help="docs page to update ('' for none)")
-    p.add_argument("--note", default=None)
-    p.add_argument("--from-json", default=None, help="publish an earlier results file instead of measuring")
+    add_report_options(p, "media.json")
     args = p.parse_args(argv)
     return measure_or_replay(args, argv, "bench_media", HEADING, measure, report)
 

@@ -29,9 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
-    BENCHMARKS_DOC,
-    RESULTS_DIR,
     ROOT,
+    add_report_options,
     current_rss_bytes,
     fmt,
     machine_markdown,
@@ -166,10 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=lambda s: [p for p in s.split(",") if p], default=list(PROMPTS))
     parser.add_argument("--kernels", type=lambda s: [k.strip() for k in s.split(",") if k.strip()],
                         default=["library", "onnxruntime"], help=f"from: {', '.join(KERNELS)}")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "prompt.json")
-    parser.add_argument("--doc", default=str(BENCHMARKS_DOC), help="'' leaves the docs alone")
-    parser.add_argument("--note", default=None)
-    parser.add_argument("--from-json", type=Path)
+    add_report_options(parser, "prompt.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:

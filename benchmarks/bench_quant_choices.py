@@ -35,9 +35,9 @@ import time
 from pathlib import Path
 
 from benchmarks.common import (
-    BENCHMARKS_DOC,
     RESULTS_DIR,
     ROOT,
+    add_report_options,
     command_line,
     fmt,
     git_state,
@@ -116,9 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/bench_quant_choices"), help="where packages go")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--keep", action="store_true", help="keep the packages")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "quant_choices.json")
-    parser.add_argument("--doc", default=str(BENCHMARKS_DOC), help="'' leaves the docs alone")
-    parser.add_argument("--note", default="", help="the machine's state (for the report)")
+    add_report_options(parser, "quant_choices.json", replay=False)
     parser.add_argument("--jobs", type=int, help="the builds' --jobs (default: theirs, every core)")
     parser.add_argument("--no-decode", action="store_true", help="build only (the decode columns stay empty)")
     parser.add_argument("--layer", action="store_true", help="k-quant on one full-width weight against onnxruntime's")

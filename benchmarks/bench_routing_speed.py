@@ -24,8 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
-    BENCHMARKS_DOC,
-    RESULTS_DIR,
+    add_report_options,
     command_line,
     fmt,
     machine_info,
@@ -136,9 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2, help="timed questions per process")
     parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "routing_speed.json")
-    parser.add_argument("--doc", default=str(BENCHMARKS_DOC), help="'' leaves the docs alone")
-    parser.add_argument("--note", default="", help="how the packages were built, the machine's state (for the report)")
+    add_report_options(parser, "routing_speed.json", replay=False)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--media", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -65,7 +65,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import BENCHMARKS_DOC, RESULTS_DIR, git_state, machine_info, memcpy_bandwidth, read_bandwidth
+from benchmarks.common import add_report_options, git_state, machine_info, memcpy_bandwidth, read_bandwidth
 from benchmarks.runtime_bench import BACKENDS, PRECISIONS, PROMPT_NAMES, REAL_TEXT_LAYERS, VARIANT_FILES
 from benchmarks.runtime_bench.decoder_graph import decode_weight_bytes, logits_positions
 from benchmarks.runtime_bench.prepare import (
@@ -80,8 +80,6 @@ from benchmarks.runtime_bench.report import publish
 from benchmarks.runtime_bench.workers import make_case, merge_runs, run_worker, worker_main
 from builder_plugin.layout import GENAI_CONFIG_FILE
 
-RESULTS = RESULTS_DIR / "runtime.json"
-DOC = BENCHMARKS_DOC
 DEFAULT_WORK = Path("/tmp/bench_runtime")
 
 
@@ -114,12 +112,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--setup-only", action="store_true", help="make the checkpoints and packages, then stop")
     parser.add_argument("--keep-packages", action="store_true",
                         help="reuse packages in --work even if the builder's code changed since they were built")
-    parser.add_argument("--from-json", type=Path,
-                        help="measure nothing: redo the analysis and the report of an earlier --out file")
     parser.add_argument("--work", type=Path, default=DEFAULT_WORK, help="checkpoints and packages (kept, reused)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--doc", type=Path, default=DOC,
-                        help="Markdown file whose 'Machine' and 'Run time' sections are rewritten ('' to skip)")
+    add_report_options(parser, "runtime.json", note=False)
     args = parser.parse_args(argv)
     if args.threads is None:
         from builder_plugin.runtime.threads import default_threads

@@ -34,9 +34,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import (
-    BENCHMARKS_DOC,
-    RESULTS_DIR,
     ROOT,
+    add_report_options,
     fmt,
     git_state,
     machine_info,
@@ -44,9 +43,6 @@ from benchmarks.common import (
     replace_markdown_section,
     write_json,
 )
-
-RESULTS = RESULTS_DIR / "serve.json"
-DOC = BENCHMARKS_DOC
 
 
 def prompt(i: int) -> str:
@@ -345,8 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None,
                         help="intra-op threads of every session, for the server and Chat alike (default: theirs, "
                         "one per physical core the process may use)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--doc", default=str(DOC), help="Markdown file to update ('' = none)")
+    add_report_options(parser, "serve.json", note=False, replay=False)
     args = parser.parse_args(argv)
 
     package = Path(args.package) if args.package else tiny_package(args.work)

@@ -35,9 +35,8 @@ import numpy as np
 
 from benchmarks.bench_serve import tiny_package
 from benchmarks.common import (
-    BENCHMARKS_DOC,
-    RESULTS_DIR,
     ROOT,
+    add_report_options,
     fmt,
     git_state,
     machine_info,
@@ -47,8 +46,6 @@ from benchmarks.common import (
 )
 from builder_plugin.memory import proc_kib_field
 
-RESULTS = RESULTS_DIR / "serve_users.json"
-DOC = BENCHMARKS_DOC
 HEADING = "## Serving several users"
 
 
@@ -239,8 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--follow-ups", type=int, default=2, help="text follow-ups per user")
     parser.add_argument("--image-size", type=int, default=448, help="side of each user's square picture")
     parser.add_argument("--max-length", type=int, default=None, help="the servers' --max-length")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--doc", default=str(DOC), help="Markdown file to update ('' = none)")
+    add_report_options(parser, "serve_users.json", note=False, replay=False)
     args = parser.parse_args(argv)
 
     package = Path(args.package) if args.package else tiny_package(args.work)

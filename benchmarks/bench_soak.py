@@ -24,8 +24,7 @@ import numpy as np
 
 from benchmarks.bench_serve import tiny_package
 from benchmarks.common import (
-    BENCHMARKS_DOC,
-    RESULTS_DIR,
+    add_report_options,
     command_line,
     fmt,
     git_state,
@@ -35,8 +34,6 @@ from benchmarks.common import (
     write_json,
 )
 
-RESULTS = RESULTS_DIR / "soak.json"
-DOC = BENCHMARKS_DOC
 MiB = 1 << 20
 
 
@@ -120,8 +117,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="an argument for the server (repeat for several: --server-arg=--max-queue "
                         "--server-arg=8)")
     parser.add_argument("--logs", type=Path, default=None, help="folder to copy the server's stdout and stderr to")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--doc", default=str(DOC), help="Markdown file to update ('' = none)")
+    add_report_options(parser, "soak.json", note=False, replay=False)
     args = parser.parse_args(argv)
 
     from tests.support.soak import run_soak

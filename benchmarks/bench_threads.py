@@ -40,10 +40,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
-    BENCHMARKS_DOC,
     GB,
-    RESULTS_DIR,
     ROOT,
+    add_report_options,
     command_line,
     fmt,
     git_state,
@@ -58,8 +57,6 @@ from benchmarks.runtime_bench.decoder_graph import decode_weight_bytes
 from builder_plugin.layout import GENAI_CONFIG_FILE
 from builder_plugin.runtime.threads import SPINNING_KEY
 
-RESULTS = RESULTS_DIR / "threads.json"
-DOC = BENCHMARKS_DOC
 HEADING = "## Threads"
 QUESTION = "Write a long story about a lighthouse keeper and the ships she watches."
 SETTINGS = ("as built", "default")
@@ -344,9 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lock", default=None, help="flock this file around every worker process")
     parser.add_argument("--work", default="/tmp/bench_threads")
     parser.add_argument("--label", default=None, help="name of this run in --out (default: the package names)")
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--doc", default=str(DOC), help="Markdown file to update ('' = none)")
-    parser.add_argument("--from-json", type=Path, help="measure nothing: publish the runs of an earlier --out file")
+    add_report_options(parser, "threads.json", note=False)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:

@@ -23,9 +23,8 @@ import tempfile
 from pathlib import Path
 
 from benchmarks.common import (
-    BENCHMARKS_DOC,
-    RESULTS_DIR,
     ROOT,
+    add_report_options,
     command_line,
     fmt,
     greedy_text_answer,
@@ -78,9 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--package", type=Path, required=True)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3, help="measurements per setting, alternating (median)")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "unpacked_weights.json")
-    parser.add_argument("--doc", default=str(BENCHMARKS_DOC), help="'' leaves the docs alone")
-    parser.add_argument("--note", default="", help="how the package was built, the machine's state (for the report)")
+    add_report_options(parser, "unpacked_weights.json", replay=False)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # one measurement, JSON on stdout
     args = parser.parse_args(argv)
     if args.child:

@@ -7,6 +7,7 @@ Standard library and numpy only, so every benchmark (and its worker subprocesses
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import itertools
 import json
@@ -355,6 +356,21 @@ def git_state(*paths: str) -> dict[str, Any]:
 def command_line(script: str, argv: Sequence[str] | None) -> str:
     """The command that ran a benchmark, as the reports quote it."""
     return f"python -m benchmarks.{script.removesuffix('.py')} " + shlex.join(sys.argv[1:] if argv is None else argv)
+
+
+def add_report_options(parser: argparse.ArgumentParser, results_name: str, *, note: bool = True,
+                       replay: bool = True) -> None:
+    """The report options: --out (RESULTS_DIR / results_name), --doc, --note (if note), --from-json (if replay)."""
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / results_name,
+                        help=f"the results JSON (default: {(RESULTS_DIR / results_name).relative_to(ROOT)})")
+    parser.add_argument("--doc", default=str(BENCHMARKS_DOC),
+                        help=f"the Markdown page to update (default: {BENCHMARKS_DOC.relative_to(ROOT)}; "
+                        "'' leaves the docs alone)")
+    if note:  # None lets --from-json keep the earlier file's note; without replay "" is the plain default
+        parser.add_argument("--note", default=None if replay else "",
+                            help="a note kept in the results, for the report")
+    if replay:
+        parser.add_argument("--from-json", type=Path, help="measure nothing: publish an earlier --out file")
 
 
 def publish(results: dict[str, Any], out: str | Path, doc: str, heading: str, body: str) -> None:

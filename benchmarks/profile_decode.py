@@ -25,10 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
-    BENCHMARKS_DOC,
     GB,
-    RESULTS_DIR,
     ROOT,
+    add_report_options,
     command_line,
     git_state,
     machine_info,
@@ -40,8 +39,6 @@ from benchmarks.common import (
 from benchmarks.runtime_bench.decoder_graph import decode_weight_bytes
 from builder_plugin.layout import GENAI_CONFIG_FILE
 
-RESULTS = RESULTS_DIR / "decode_profile.json"
-DOC = BENCHMARKS_DOC
 HEADING = "## Decode profile"
 PROMPT = "<|user|>Write a long story about a lighthouse keeper and the ships she watches.<|end|><|assistant|>"
 MATMULS = ("MatMul", "MatMulNBits")
@@ -135,8 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--lock", default=None, help="flock this file around each package's process")
     parser.add_argument("--label", default=None)
-    parser.add_argument("--out", type=Path, default=RESULTS)
-    parser.add_argument("--doc", default=str(DOC), help="Markdown file to update ('' = none)")
+    add_report_options(parser, "decode_profile.json", note=False, replay=False)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:

@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import BENCHMARKS_DOC, RESULTS_DIR, ROOT, fmt, markdown_table, measure_or_replay
+from benchmarks.common import ROOT, add_report_options, fmt, markdown_table, measure_or_replay
 
 HEADING = "## Prompt path quality"
 MODES = ("text", "image", "audio", "image+audio")
@@ -193,10 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--label", default=None)
     parser.add_argument("--work", default=None, help="folder for the float copy and the logits (default: temporary)")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / "prompt_quality.json")
-    parser.add_argument("--doc", default=str(BENCHMARKS_DOC), help="'' leaves the docs alone")
-    parser.add_argument("--note", default=None)
-    parser.add_argument("--from-json", type=Path)
+    add_report_options(parser, "prompt_quality.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:

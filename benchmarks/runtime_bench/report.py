@@ -11,7 +11,7 @@ from benchmarks.runtime_bench import REAL_TEXT_LAYERS
 from benchmarks.runtime_bench.analysis import PLAUSIBLE_BANDWIDTH_FACTOR, analyse, analyse_full_depth, read_and_copy
 
 
-def publish(result: dict[str, Any], out: Path, doc: Path) -> int:
+def publish(result: dict[str, Any], out: Path, doc: str | Path) -> int:
     """Analyse the measurements of `result`, write the JSON, print the Markdown and put it into `doc`."""
     runs = {int(layers): value for layers, value in result["runs"].items()}
     setup = result["setup"]

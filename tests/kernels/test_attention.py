@@ -16,13 +16,15 @@ MASK_VALUE = -10000.0  # onnxruntime's default mask_filter_value
 
 
 def write_graph(path, batch: int, heads: int, head_dim: int, mask: bool, bias_shape: list[int] | None,
-                past: bool = False) -> str:
+                past: bool = False, qkv_bias: bool = False) -> str:
     import onnx
     from onnx import TensorProto, helper
 
     width = heads * head_dim
     inputs = [helper.make_tensor_value_info(name, TensorProto.FLOAT, [batch, None, width]) for name in "qkv"]
-    names = ["q", "k", "v", "", "mask" if mask else ""]
+    names = ["q", "k", "v", "qkv_bias" if qkv_bias else "", "mask" if mask else ""]
+    if qkv_bias:
+        inputs.append(helper.make_tensor_value_info("qkv_bias", TensorProto.FLOAT, [3 * width]))
     if mask:
         inputs.append(helper.make_tensor_value_info("mask", TensorProto.INT32, [batch, None]))
     names.append("bias" if bias_shape else "")
@@ -129,3 +131,15 @@ def test_forms_the_kernel_does_not_run_are_refused(tmp_path, capfd, monkeypatch)
                                         "library's kernel"):
         run(path, feeds, library=True)
     assert "MultiHeadAttention mha num_heads=2: bf16 AMX path" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("forced", ["avx512", "amx"])
+def test_a_forced_int8_path_leaves_attention_to_onnxruntime(tmp_path, monkeypatch, forced):
+    """BUILDER_PLUGIN_OPS_PATH=avx512|amx stands for a CPU without AMX bf16: the library registers no attention, so
+    even a form it would refuse (a bias input) runs, and answers exactly as onnxruntime's own."""
+    path = write_graph(tmp_path / "g.onnx", 1, 2, 16, False, None, qkv_bias=True)
+    rng = np.random.default_rng(1)
+    feeds = {n: rng.standard_normal((1, 5, 32)).astype(np.float32) for n in "qkv"}
+    feeds["qkv_bias"] = rng.standard_normal(96).astype(np.float32)
+    monkeypatch.setenv("BUILDER_PLUGIN_OPS_PATH", forced)
+    np.testing.assert_array_equal(run(path, feeds, library=True), run(path, feeds, library=False))

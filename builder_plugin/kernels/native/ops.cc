@@ -44,6 +44,17 @@ struct Kernel {
   int64_t many_from_rows = INT64_MAX;
 };
 
+// The path BUILDER_PLUGIN_OPS_PATH forces for every row count; kFloat when none is set or this CPU lacks it.
+Path forced_path() {
+  const bp::Cpu& cpu = bp::cpu();
+  const char* forced = std::getenv("BUILDER_PLUGIN_OPS_PATH");
+  return forced == nullptr                                 ? Path::kFloat
+         : std::strcmp(forced, "avx512") == 0               ? Path::kAvx512
+         : std::strcmp(forced, "amx") == 0 && cpu.amx_int8  ? Path::kAmxInt8
+         : std::strcmp(forced, "bf16") == 0 && cpu.amx_bf16 ? Path::kAmxBf16
+                                                            : Path::kFloat;
+}
+
 void choose_paths(Kernel& kernel) {
   const bp::Cpu& cpu = bp::cpu();
   if (kernel.accuracy_level != 4 || (kernel.bits != 4 && kernel.bits != 8) || !cpu.avx512_vnni) return;
@@ -55,12 +66,7 @@ void choose_paths(Kernel& kernel) {
     kernel.many = Path::kAmxInt8;
     kernel.many_from_rows = kAmxFromRows;
   }
-  const char* forced = std::getenv("BUILDER_PLUGIN_OPS_PATH");
-  const Path path = forced == nullptr                   ? Path::kFloat
-                    : std::strcmp(forced, "avx512") == 0 ? Path::kAvx512
-                    : std::strcmp(forced, "amx") == 0 && cpu.amx_int8 ? Path::kAmxInt8
-                    : std::strcmp(forced, "bf16") == 0 && cpu.amx_bf16 ? Path::kAmxBf16
-                                                                        : Path::kFloat;
+  const Path path = forced_path();
   if (path != Path::kFloat) {
     kernel.few = kernel.many = path;
     kernel.many_from_rows = INT64_MAX;
@@ -191,11 +197,10 @@ __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOp
     domains.push_back(domain);
   }
   if (OrtStatus* status = api.CustomOpDomain_Add(domain, &kMatMulNBits)) return status;
-  // the encoders' attention on AMX bf16 (elsewhere onnxruntime's own); BUILDER_PLUGIN_OPS_PATH=avx512 or amx (an
-  // int8 path forced: a CPU without AMX bf16, as benchmarks emulate it) leaves it out too
-  const char* forced = std::getenv("BUILDER_PLUGIN_OPS_PATH");
-  const bool int8_forced = forced != nullptr && (std::strcmp(forced, "avx512") == 0 || std::strcmp(forced, "amx") == 0);
-  if (bp::cpu().amx_bf16 && !int8_forced)
+  // the encoders' attention on AMX bf16 (elsewhere onnxruntime's own); a forced int8 path leaves it out too (a CPU
+  // without AMX bf16, as benchmarks emulate it)
+  const Path forced = forced_path();
+  if (bp::cpu().amx_bf16 && forced != Path::kAvx512 && forced != Path::kAmxInt8)
     if (OrtStatus* status = api.CustomOpDomain_Add(domain, &multi_head_attention())) return status;
   return api.AddCustomOpDomain(options, domain);
 }

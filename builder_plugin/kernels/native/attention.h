@@ -1,5 +1,6 @@
-// Multi-head attention without a cache (the encoders' com.microsoft MultiHeadAttention): out = softmax(scale x Q K^T
-// + bias + mask) V per batch row and head, Q, K, V and out as [batch, sequence, heads x head_dim].
+// Multi-head attention over K and V already in memory: out = softmax(scale x Q K^T + bias + mask) V per batch row and
+// query head, the form of the encoders' com.microsoft MultiHeadAttention (no cache) and of the decoder's
+// GroupQueryAttention on a prompt (causal, several query heads per K/V head, K and V in the cache).
 #pragma once
 
 #include <cstdint>
@@ -10,15 +11,24 @@ namespace bp {
 
 struct Attention {
   int64_t batch = 0, q_len = 0, kv_len = 0, heads = 0, head_dim = 0;
-  const float* q = nullptr;  // [batch, q_len, heads * head_dim]
-  const float* k = nullptr;  // [batch, kv_len, heads * head_dim]
+  int64_t kv_heads = 0;  // heads of K and V: query head h reads K/V head h / (heads / kv_heads)
+  // Q [batch, q_len, rows of q_row_stride floats, head h at h x head_dim]; K and V: key t of K/V head g of batch row
+  // b at b x kv_batch_stride + g x kv_head_stride + t x kv_row_stride (in floats)
+  const float* q = nullptr;
+  const float* k = nullptr;
   const float* v = nullptr;
+  int64_t q_row_stride = 0, kv_row_stride = 0, kv_head_stride = 0, kv_batch_stride = 0;
+  // >= 0: causal, query row r sees keys [0, causal_past + r] (the keys before the prompt and its own up to r)
+  int64_t causal_past = -1;
   const int32_t* key_padding = nullptr;  // [batch, kv_len]: 0 masks the key out (mask_value added), or null
   const float* bias = nullptr;           // [batch or 1, heads or 1, q_len, kv_len] added to the scores, or null
   int64_t bias_batch_stride = 0, bias_head_stride = 0;  // 0 where the bias broadcasts
   float scale = 1.0f, mask_value = -10000.0f;
   float* out = nullptr;  // [batch, q_len, heads * head_dim]
 };
+
+// The layout of K and V as [batch, kv_len, heads x head_dim] (the encoders'): sets kv_heads and the strides.
+void packed_rows(Attention& a);
 
 // On AMX bf16 tiles: Q (scaled), K, V and the probabilities rounded to bf16, scores, softmax and sums in float.
 // head_dim up to 256. False without AMX bf16 (nothing is written then).

@@ -1,10 +1,11 @@
-// Encoder attention on AMX bf16 tiles (attention.h), one task per batch row and head.
+// Attention on AMX bf16 tiles (attention.h), one task per batch row and query head.
 //
 // Per task, K and V are converted once into the layout TDPBF16PS reads its second operand in (K: per 16 keys and 32
 // of head_dim a tile whose row j holds dims 2j, 2j + 1 of the 16 keys; V: per 16 dims and 32 keys a tile whose row j
 // holds keys 2j, 2j + 1 of the 16 dims) and Q (times the scale) into rows of 32 dims. Then per 32 query rows: the
 // scores Q K^T (float sums), the bias and the key mask added in float, a float softmax over the keys, the
-// probabilities rounded to bf16, and P V (float sums) into the output.
+// probabilities rounded to bf16, and P V (float sums) into the output. Causal: a block of query rows meets only the
+// keys its last row sees, and each row's softmax runs over its own.
 #include "attention.h"
 
 #include "bf16_util.h"
@@ -158,13 +159,12 @@ BP_BF16 inline void pair_products(const uint16_t* a, const uint16_t* b, int64_t 
   _tile_stored(3, out + kGroup * stride + kGroup, stride * 4);
 }
 
-// The softmax of one score row over the valid keys, its bias and key mask added, into bf16 probabilities (keys past
-// the valid ones: 0) in the first-operand tiles of P (row `r` of the 32-row block).
-BP_BF16 void softmax_row(const Attention& a, int64_t b, int64_t h, int64_t row, float* scores, int r,
-                         const Shape& s, uint16_t* p) {
-  const int64_t keys = a.kv_len;
-  const float* bias = a.bias ? a.bias + b * a.bias_batch_stride + h * a.bias_head_stride + row * keys : nullptr;
-  const int32_t* mask = a.key_padding ? a.key_padding + b * keys : nullptr;
+// The softmax of one score row over its first `keys` keys, its bias and key mask added, into bf16 probabilities
+// (later keys of the block's `key_pairs` steps: 0) in the first-operand tiles of P (row `r` of the 32-row block).
+BP_BF16 void softmax_row(const Attention& a, int64_t b, int64_t h, int64_t row, int64_t keys, int64_t key_pairs,
+                         float* scores, int r, uint16_t* p) {
+  const float* bias = a.bias ? a.bias + b * a.bias_batch_stride + h * a.bias_head_stride + row * a.kv_len : nullptr;
+  const int32_t* mask = a.key_padding ? a.key_padding + b * a.kv_len : nullptr;
   const __m512 masked = _mm512_set1_ps(a.mask_value);
   __m512 top = _mm512_set1_ps(-INFINITY);
   for (int64_t t = 0; t < keys; t += 16) {
@@ -189,7 +189,7 @@ BP_BF16 void softmax_row(const Attention& a, int64_t b, int64_t h, int64_t row, 
   }
   const __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
   uint16_t* tile = p + (r / kGroup) * kTileElements + (r % kGroup) * kStep;
-  for (int64_t step = 0; step < s.key_pairs; ++step, tile += kPairElements) {
+  for (int64_t step = 0; step < key_pairs; ++step, tile += kPairElements) {
     const int64_t t = step * kStep;
     const __m512 lo = _mm512_mul_ps(_mm512_maskz_loadu_ps(first_lanes(keys - t), scores + t), inverse);
     const __m512 hi = _mm512_mul_ps(_mm512_maskz_loadu_ps(first_lanes(keys - t - 16), scores + t + 16), inverse);
@@ -202,32 +202,39 @@ BP_BF16 void run_head(void* data, size_t index) {
   const Attention& a = *job.a;
   const Shape& s = job.shape;
   const int64_t b = static_cast<int64_t>(index) / a.heads, h = static_cast<int64_t>(index) % a.heads;
-  const int64_t width = a.heads * a.head_dim, dim = a.head_dim;
+  const int64_t dim = a.head_dim, width = a.heads * dim, g = h / (a.heads / a.kv_heads);
   thread_local Buffers buffers;
   buffers.reserve(s);
-  const float* q = a.q + b * a.q_len * width + h * dim;
-  row_tiles(q, a.q_len, width, dim, s.dim_steps, a.scale, false, buffers.q);
-  row_tiles(a.k + b * a.kv_len * width + h * dim, a.kv_len, width, dim, s.dim_steps, 1.0f, true, buffers.k);
-  value_tiles(a.v + b * a.kv_len * width + h * dim, a.kv_len, width, dim, s, buffers.v);
+  const float* q = a.q + b * a.q_len * a.q_row_stride + h * dim;
+  const int64_t kv_at = b * a.kv_batch_stride + g * a.kv_head_stride;
+  row_tiles(q, a.q_len, a.q_row_stride, dim, s.dim_steps, a.scale, false, buffers.q);
+  row_tiles(a.k + kv_at, a.kv_len, a.kv_row_stride, dim, s.dim_steps, 1.0f, true, buffers.k);
+  value_tiles(a.v + kv_at, a.kv_len, a.kv_row_stride, dim, s, buffers.v);
   _tile_loadconfig(&square_tiles());
   alignas(64) float sums[2 * kGroup * 2 * kGroup];
   for (int64_t pair = 0; pair < s.row_pairs; ++pair) {
+    const int rows = static_cast<int>(std::min<int64_t>(2 * kGroup, a.q_len - pair * 2 * kGroup));
+    // the keys the block's last row sees (causal), as whole steps of 32
+    const int64_t block_keys = a.causal_past < 0 ? a.kv_len
+                                                 : std::min(a.kv_len, a.causal_past + pair * 2 * kGroup + rows);
+    const int64_t key_pairs = (block_keys + kStep - 1) / kStep;
     const uint16_t* q_tiles = buffers.q + pair * s.dim_steps * kPairElements;
-    for (int64_t keys = 0; keys < s.key_pairs; ++keys)
+    for (int64_t keys = 0; keys < key_pairs; ++keys)
       pair_products(q_tiles, buffers.k + keys * s.dim_steps * kPairElements, s.dim_steps,
                     buffers.scores + keys * 2 * kGroup, s.padded_keys);
-    const int rows = static_cast<int>(std::min<int64_t>(2 * kGroup, a.q_len - pair * 2 * kGroup));
     for (int r = 0; r < 2 * kGroup; ++r) {
+      const int64_t row = pair * 2 * kGroup + r;
       if (r < rows) {
-        softmax_row(a, b, h, pair * 2 * kGroup + r, buffers.scores + r * s.padded_keys, r, s, buffers.p);
+        const int64_t keys = a.causal_past < 0 ? a.kv_len : std::min(a.kv_len, a.causal_past + row + 1);
+        softmax_row(a, b, h, row, keys, key_pairs, buffers.scores + r * s.padded_keys, r, buffers.p);
       } else {  // rows past the queries: zero probabilities
         uint16_t* tile = buffers.p + (r / kGroup) * kTileElements + (r % kGroup) * kStep;
-        for (int64_t step = 0; step < s.key_pairs; ++step) _mm512_store_si512(tile + step * kPairElements,
-                                                                              _mm512_setzero_si512());
+        for (int64_t step = 0; step < key_pairs; ++step) _mm512_store_si512(tile + step * kPairElements,
+                                                                            _mm512_setzero_si512());
       }
     }
     for (int64_t dims = 0; dims < s.dim_pairs; ++dims) {
-      pair_products(buffers.p, buffers.v + dims * s.key_pairs * kPairElements, s.key_pairs, sums, 2 * kGroup);
+      pair_products(buffers.p, buffers.v + dims * s.key_pairs * kPairElements, key_pairs, sums, 2 * kGroup);
       const __mmask16 first = first_lanes(dim - dims * 2 * kGroup), second = first_lanes(dim - dims * 2 * kGroup - 16);
       for (int r = 0; r < rows; ++r) {
         float* out = a.out + (b * a.q_len + pair * 2 * kGroup + r) * width + h * dim + dims * 2 * kGroup;
@@ -242,7 +249,8 @@ BP_BF16 void run_head(void* data, size_t index) {
 }  // namespace
 
 bool attention_bf16_amx(const Attention& a, ParallelFor run, void* context) {
-  if (!cpu().amx_bf16 || a.head_dim > kMaxHeadDim || a.head_dim < 1) return false;
+  if (!cpu().amx_bf16 || a.head_dim > kMaxHeadDim || a.head_dim < 1 || a.kv_heads < 1 || a.heads % a.kv_heads)
+    return false;
   Job job{&a, {}};
   job.shape.dim_steps = (a.head_dim + kStep - 1) / kStep;
   job.shape.dim_pairs = (a.head_dim + 2 * kGroup - 1) / (2 * kGroup);
@@ -262,3 +270,14 @@ bool attention_bf16_amx(const Attention&, ParallelFor, void*) { return false; }
 }  // namespace bp
 
 #endif
+
+namespace bp {
+
+void packed_rows(Attention& a) {
+  a.kv_heads = a.heads;
+  a.q_row_stride = a.kv_row_stride = a.heads * a.head_dim;
+  a.kv_head_stride = a.head_dim;
+  a.kv_batch_stride = a.kv_len * a.heads * a.head_dim;
+}
+
+}  // namespace bp

@@ -108,6 +108,7 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* context) {
   a.k = static_cast<const float*>(input_data(api, context, kKey));
   a.v = static_cast<const float*>(input_data(api, context, kValue));
   a.out = static_cast<float*>(out);
+  packed_rows(a);
   if (a.kv_len == 0) {  // nothing to attend to: onnxruntime's softmax over no keys gives zeros too
     std::fill(a.out, a.out + a.batch * a.q_len * q[2], 0.0f);
     return nullptr;

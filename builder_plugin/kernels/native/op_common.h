@@ -44,5 +44,7 @@ OrtCustomOp custom_op(const char* (*name)(const OrtCustomOp*), size_t (*inputs)(
 
 // The com.microsoft MultiHeadAttention kernel of the encoders (op_attention.cc).
 const OrtCustomOp& multi_head_attention();
+// The com.microsoft GroupQueryAttention kernel of the decoders' prompts (op_group_query_attention.cc).
+const OrtCustomOp& group_query_attention();
 
 }  // namespace bp::op

@@ -1,6 +1,6 @@
 // The library onnxruntime loads (SessionOptions.register_custom_ops_library, genai_config's custom_ops_library): it
-// registers a CPU kernel for com.microsoft MatMulNBits (and on CPUs with AMX bf16, MultiHeadAttention:
-// op_attention.cc), which onnxruntime then prefers to its own for every such node of the session, so a package's
+// registers a CPU kernel for com.microsoft MatMulNBits (and on CPUs with AMX bf16, MultiHeadAttention and
+// GroupQueryAttention: op_attention.cc, op_group_query_attention.cc), which onnxruntime then prefers to its own for every such node of the session, so a package's
 // graphs need no change. On a CPU without AVX-512 VNNI it registers nothing (one line on stderr says so) and
 // onnxruntime's own kernels run.
 #include <cstdint>
@@ -197,16 +197,19 @@ __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOp
     domains.push_back(domain);
   }
   if (OrtStatus* status = api.CustomOpDomain_Add(domain, &kMatMulNBits)) return status;
-  // the encoders' attention on AMX bf16 (elsewhere onnxruntime's own); a forced int8 path leaves it out too (a CPU
-  // without AMX bf16, as benchmarks emulate it)
+  // the encoders' and the prompts' attention on AMX bf16 (elsewhere onnxruntime's own); a forced int8 path leaves them
+  // out too (a CPU without AMX bf16, as benchmarks emulate it)
   const Path forced = forced_path();
-  if (bp::cpu().amx_bf16 && forced != Path::kAvx512 && forced != Path::kAmxInt8)
+  if (bp::cpu().amx_bf16 && forced != Path::kAvx512 && forced != Path::kAmxInt8) {
     if (OrtStatus* status = api.CustomOpDomain_Add(domain, &multi_head_attention())) return status;
+    if (OrtStatus* status = api.CustomOpDomain_Add(domain, &group_query_attention())) return status;
+  }
   return api.AddCustomOpDomain(options, domain);
 }
 
 // The declarations of ort_abi.h against the onnxruntime that `base` comes from (OrtGetApiBase of its library): the
-// API version served, and a status and a domain made and read back through their slots. "" when all hold.
+// API version served, a status and a domain made and read back, and an operator attribute made, through their slots.
+// "" when all hold.
 __attribute__((visibility("default"))) const char* BuilderPluginOpsCheckApi(const OrtApiBase* base) {
   const OrtApi* table = base->GetApi(ort::kApiVersion);
   if (table == nullptr) return "GetApi refused the API version";
@@ -227,6 +230,13 @@ __attribute__((visibility("default"))) const char* BuilderPluginOpsCheckApi(cons
     return "CustomOpDomain_Add failed";
   }
   api.ReleaseCustomOpDomain(domain);
+  OrtOpAttr* attr = nullptr;
+  const int64_t heads = 2;
+  if (OrtStatus* failed = api.CreateOpAttr("num_heads", &heads, 1, ORT_OP_ATTR_INT, &attr)) {
+    api.ReleaseStatus(failed);
+    return "CreateOpAttr failed";
+  }
+  api.ReleaseOpAttr(attr);
   return "";
 }
 

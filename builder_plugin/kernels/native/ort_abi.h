@@ -19,12 +19,16 @@ struct OrtKernelInfo;
 struct OrtKernelContext;
 struct OrtShapeInferContext;
 struct OrtApi;
+struct OrtOp;
+struct OrtOpAttr;
 
 enum OrtErrorCode { ORT_OK = 0, ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2 };
 
 enum OrtElementType {
-  ORT_UNDEFINED = 0, ORT_FLOAT = 1, ORT_UINT8 = 2, ORT_INT32 = 6, ORT_FLOAT16 = 10,
+  ORT_UNDEFINED = 0, ORT_FLOAT = 1, ORT_UINT8 = 2, ORT_INT32 = 6, ORT_INT64 = 7, ORT_FLOAT16 = 10,
 };
+
+enum OrtOpAttrType { ORT_OP_ATTR_INT = 1, ORT_OP_ATTR_FLOAT = 3 };
 
 enum OrtCustomOpCharacteristic { ORT_REQUIRED = 0, ORT_OPTIONAL = 1 };
 
@@ -137,8 +141,30 @@ struct Api {
   void ReleaseTensorTypeAndShapeInfo(OrtTensorTypeAndShapeInfo* info) const {
     slot<void (*)(OrtTensorTypeAndShapeInfo*)>(table, 99)(info);
   }
+  // A native onnxruntime kernel run from inside a custom one (the cases a library kernel leaves to onnxruntime's).
+  Status CreateOpAttr(const char* name, const void* data, int len, OrtOpAttrType type, OrtOpAttr** out) const {
+    return slot<Status (*)(const char*, const void*, int, OrtOpAttrType, OrtOpAttr**)>(table, 211)(name, data, len,
+                                                                                                  type, out);
+  }
+  void ReleaseOpAttr(OrtOpAttr* attr) const { slot<void (*)(OrtOpAttr*)>(table, 212)(attr); }
+  Status CreateOp(const OrtKernelInfo* info, const char* name, const char* domain, int version,
+                  const char** type_names, const OrtElementType* type_values, int type_count,
+                  const OrtOpAttr* const* attrs, int attr_count, int inputs, int outputs, OrtOp** out) const {
+    return slot<Status (*)(const OrtKernelInfo*, const char*, const char*, int, const char**, const OrtElementType*,
+                           int, const OrtOpAttr* const*, int, int, int, OrtOp**)>(table, 213)(
+        info, name, domain, version, type_names, type_values, type_count, attrs, attr_count, inputs, outputs, out);
+  }
+  Status InvokeOp(const OrtKernelContext* context, const OrtOp* op, const OrtValue* const* inputs, int input_count,
+                  OrtValue* const* outputs, int output_count) const {
+    return slot<Status (*)(const OrtKernelContext*, const OrtOp*, const OrtValue* const*, int, OrtValue* const*,
+                           int)>(table, 214)(context, op, inputs, input_count, outputs, output_count);
+  }
+  void ReleaseOp(OrtOp* op) const { slot<void (*)(OrtOp*)>(table, 215)(op); }
   Status KernelInfo_GetInputCount(const OrtKernelInfo* info, size_t* out) const {
     return slot<Status (*)(const OrtKernelInfo*, size_t*)>(table, 230)(info, out);
+  }
+  Status KernelInfo_GetOutputCount(const OrtKernelInfo* info, size_t* out) const {
+    return slot<Status (*)(const OrtKernelInfo*, size_t*)>(table, 231)(info, out);
   }
   Status KernelInfo_GetNodeName(const OrtKernelInfo* info, char* out, size_t* size) const {
     return slot<Status (*)(const OrtKernelInfo*, char*, size_t*)>(table, 244)(info, out, size);

@@ -17,7 +17,8 @@ REGISTERED = kernels.level() == "amx_bf16"
 POSITIONS = 512
 
 
-def write_graph(path, heads: int, kv_heads: int, head_dim: int, rotary: bool = True, packed: bool = True) -> str:
+def write_graph(path, heads: int, kv_heads: int, head_dim: int, rotary: bool = True, packed: bool = True,
+                rotary_dim: int | None = None) -> str:
     import onnx
     from onnx import TensorProto, helper
 
@@ -35,7 +36,7 @@ def write_graph(path, heads: int, kv_heads: int, head_dim: int, rotary: bool = T
                helper.make_tensor_value_info("total_length", TensorProto.INT32, [])]
     if rotary:
         names += ["cos", "sin"]
-        inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, [POSITIONS, head_dim // 2])
+        inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, [POSITIONS, (rotary_dim or head_dim) // 2])
                    for n in ("cos", "sin")]
     node = helper.make_node("GroupQueryAttention", names, ["out", "present_key", "present_value"], name="gqa",
                             domain="com.microsoft", num_heads=heads, kv_num_heads=kv_heads,
@@ -59,8 +60,8 @@ def session(path: str, library: bool) -> ort.InferenceSession:
     return ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
 
 
-def rope(head_dim: int) -> tuple[np.ndarray, np.ndarray]:
-    angles = np.arange(POSITIONS)[:, None] * 10000.0 ** (-np.arange(head_dim // 2) / (head_dim // 2))
+def rope(rotary_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    angles = np.arange(POSITIONS)[:, None] * 10000.0 ** (-np.arange(rotary_dim // 2) / (rotary_dim // 2))
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
@@ -91,17 +92,18 @@ class SharedCache:
 
 
 def rotate(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """x [..., tokens, head_dim] turned at the tokens' positions (cos, sin: [tokens, head_dim / 2]), not interleaved."""
-    half = x.shape[-1] // 2
-    first, second = x[..., :half], x[..., half:]
-    return np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    """x [..., tokens, head_dim] turned at the tokens' positions (cos, sin: [tokens, rotary_dim / 2]), not
+    interleaved, over its first rotary_dim dims; the rest as they are."""
+    half = cos.shape[-1]
+    first, second, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    return np.concatenate([first * cos - second * sin, second * cos + first * sin, rest], axis=-1)
 
 
-def reference(queries: list[np.ndarray], heads: int, kv_heads: int, head_dim: int):
+def reference(queries: list[np.ndarray], heads: int, kv_heads: int, head_dim: int, rotary_dim: int):
     """Per prompt of `queries` (packed [1, S, (heads + 2 kv_heads) x head_dim], one after the other in one cache):
     (the attention output in float64, the bound of the bf16 kernel's error, as test_attention's reference), and the
     cache after all of them (rotated K, V)."""
-    cos, sin = (c.astype(np.float64) for c in rope(head_dim))
+    cos, sin = (c.astype(np.float64) for c in rope(rotary_dim))
     keys = np.zeros((kv_heads, 0, head_dim))
     values = np.zeros((kv_heads, 0, head_dim))
     results = []
@@ -133,24 +135,25 @@ def reference(queries: list[np.ndarray], heads: int, kv_heads: int, head_dim: in
     return results, (keys, values)
 
 
-# (heads, kv_heads, head_dim, prompt lengths): Phi-4-mini's heads; one K/V head per query head; a follow-up prompt
-# over a past not a multiple of 16 or 32; prompts not multiples of 16 or 32
+# (heads, kv_heads, head_dim, rotary_dim, prompt lengths): Phi-4-mini's heads (rotary over 96 of 128 dims); one K/V
+# head per query head; a follow-up prompt over a past not a multiple of 16 or 32; prompts not multiples of 16 or 32
 CASES = [
-    (24, 8, 128, [40, 33]),
-    (4, 4, 64, [16, 100]),
-    (6, 2, 96, [77, 18]),
+    (24, 8, 128, 96, [40, 33]),
+    (4, 4, 64, 64, [16, 100]),
+    (6, 2, 96, 96, [77, 18]),
+    (6, 3, 64, 16, [20, 50]),
 ]
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "lengths"), CASES)
-def test_prompts_within_the_bf16_bound(tmp_path, heads, kv_heads, head_dim, lengths):
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "rotary_dim", "lengths"), CASES)
+def test_prompts_within_the_bf16_bound(tmp_path, heads, kv_heads, head_dim, rotary_dim, lengths):
     rng = np.random.default_rng(sum(lengths) + head_dim)
-    sess = session(write_graph(tmp_path / "g.onnx", heads, kv_heads, head_dim), library=True)
-    cos, sin = rope(head_dim)
+    sess = session(write_graph(tmp_path / "g.onnx", heads, kv_heads, head_dim, rotary_dim=rotary_dim), library=True)
+    cos, sin = rope(rotary_dim)
     cache = SharedCache(kv_heads, 256, head_dim)
     queries = [rng.standard_normal((1, n, (heads + 2 * kv_heads) * head_dim)).astype(np.float32) for n in lengths]
     got = [cache.step(sess, {"query": q, "cos": cos, "sin": sin})[0].astype(np.float64) for q in queries]
-    expected, (keys, values) = reference(queries, heads, kv_heads, head_dim)
+    expected, (keys, values) = reference(queries, heads, kv_heads, head_dim, rotary_dim)
     for out, (want, bound) in zip(got, expected):
         assert np.all(np.abs(out - want) <= bound)
     cached_keys, cached_values = cache.keys()
@@ -212,9 +215,14 @@ def test_the_mode_record_without_rotary_answers_as_onnxruntime(tmp_path):
 
 
 def test_the_trace_names_the_paths(tmp_path, capfd, monkeypatch):
+    """Each kernel made says which path it may take, and its first prompt which one it took (a form the tiles could
+    run silently left to onnxruntime would show here)."""
     monkeypatch.setenv("BUILDER_PLUGIN_OPS_TRACE", "1")
-    session(write_graph(tmp_path / "g.onnx", 4, 2, 64), library=True)
+    tiles = session(write_graph(tmp_path / "g.onnx", 4, 2, 64, rotary_dim=48), library=True)
     session(write_graph(tmp_path / "h.onnx", 4, 4, 64, rotary=False, packed=False), library=True)
+    cos, sin = rope(48)
+    query = np.random.default_rng(8).standard_normal((1, 20, 8 * 64)).astype(np.float32)
+    SharedCache(2, 64, 64).step(tiles, {"query": query, "cos": cos, "sin": sin})
     err = capfd.readouterr().err
     if not REGISTERED:
         assert "GroupQueryAttention" not in err
@@ -222,6 +230,7 @@ def test_the_trace_names_the_paths(tmp_path, capfd, monkeypatch):
     assert ("GroupQueryAttention gqa num_heads=4 kv_num_heads=2: bf16 AMX path for prompts, onnxruntime's kernel "
             "for fewer than 16 tokens") in err
     assert "GroupQueryAttention gqa num_heads=4 kv_num_heads=4: onnxruntime's kernel" in err
+    assert "GroupQueryAttention gqa: a prompt of 20 new tokens on the bf16 AMX tiles" in err
 
 
 @pytest.mark.parametrize("forced", ["avx512", "amx"])

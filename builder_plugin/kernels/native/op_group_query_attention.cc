@@ -4,12 +4,14 @@
 // without the library.
 //
 // The prompt path takes the form the builder's decoders and onnxruntime-genai give it: batch 1, Q, K and V packed in
-// the query, rotary embedding (not interleaved, the whole head) from the cos/sin caches, past and present sharing one
-// buffer (genai_config's past_present_share_buffer), no padding (seqlens_k + 1 = total_sequence_length), no softcap,
-// local window, smooth softmax, position ids, attention bias, head sink or qk output. It rotates Q and the new K at
-// positions past .. past + S - 1 (past = total - S, onnxruntime's rule), writes K and V into the cache there, then runs
-// causal attention of the S queries over the total keys.
+// the query, rotary embedding from the cos/sin caches (not interleaved; over the first 2 x their width of each head,
+// the rest as it is: Phi-4-mini turns 96 of 128), past and present sharing one buffer (genai_config's
+// past_present_share_buffer), no padding (seqlens_k + 1 = total_sequence_length), no softcap, local window, smooth
+// softmax, position ids, attention bias, head sink or qk output. It rotates Q and the new K at positions past .. past
+// + S - 1 (past = total - S, onnxruntime's rule), writes K and V into the cache there, then runs causal attention of
+// the S queries over the total keys.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -48,7 +50,15 @@ struct Kernel {
   size_t inputs = 0, outputs = 0;
   OrtOp* native = nullptr;  // onnxruntime's kernel for this node
   bool tiles = false;       // the node's attributes allow the prompt path
+  // BUILDER_PLUGIN_OPS_TRACE: a line at the first prompt on the tiles, and at the first one left to onnxruntime
+  mutable std::atomic<bool> told_tiles{false}, told_native{false};
 };
+
+void tell(const Kernel& kernel, std::atomic<bool>& told, int64_t tokens, const char* path) {
+  if (trace() && !told.exchange(true))
+    std::fprintf(stderr, "%s: GroupQueryAttention %s: a prompt of %lld new tokens %s\n", kLibrary,
+                 kernel.name.c_str(), static_cast<long long>(tokens), path);
+}
 
 bool has_attribute(const ort::Api& api, const OrtKernelInfo* info, const char* name, int64_t* value) {
   if (OrtStatus* status = api.KernelInfoGetAttribute_int64(info, name, value)) {
@@ -134,7 +144,8 @@ OrtStatus* create(const OrtCustomOp*, const OrtApi* table, const OrtKernelInfo* 
   return nullptr;
 }
 
-// Rotary embedding of one head's row (not interleaved: dims j and j + half turn together), in place.
+// Rotary embedding of one head's row (not interleaved: dims j and j + half turn together, dims from 2 x half on stay),
+// in place.
 void rotate(float* x, const float* cos, const float* sin, int64_t half) {
   for (int64_t j = 0; j < half; ++j) {
     const float first = x[j], second = x[j + half];
@@ -150,13 +161,13 @@ struct Prompt {
   float* q;            // [S, heads x head_dim]: Q rotated
   float* key;
   float* value;        // the cache, [kv_heads, buffer, head_dim]
-  int64_t tokens, past, heads, kv_heads, head_dim, buffer;
+  int64_t tokens, past, heads, kv_heads, head_dim, half, buffer;  // half: the width of a cos/sin row
 };
 
 // Token i of the prompt: Q rotated into `q`, K rotated and V written into the cache at position past + i.
 void place_token(void* data, size_t index) {
   const Prompt& p = *static_cast<const Prompt*>(data);
-  const int64_t i = static_cast<int64_t>(index), d = p.head_dim, half = d / 2, position = p.past + i;
+  const int64_t i = static_cast<int64_t>(index), d = p.head_dim, half = p.half, position = p.past + i;
   const float* row = p.query + i * (p.heads + 2 * p.kv_heads) * d;
   const float* cos = p.cos + position * half;
   const float* sin = p.sin + position * half;
@@ -227,7 +238,7 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* context) {
                inputs[kAttentionBias] == nullptr && inputs[kHeadSink] == nullptr;
   const int64_t head_dim = query.size() == 3 ? query[2] / (kernel.heads + 2 * kernel.kv_heads) : 0;
   tiles = tiles && head_dim > 0 && head_dim % 2 == 0 && query[2] == (kernel.heads + 2 * kernel.kv_heads) * head_dim &&
-          past[3] == head_dim && cos[1] * 2 == head_dim;
+          past[3] == head_dim && cos[1] > 0 && cos[1] % 8 == 0 && cos[1] * 2 <= head_dim;
   int64_t total = 0, tokens = tiles ? query[1] : 0;
   if (tiles) {
     const auto* seqlens_k = static_cast<const int32_t*>(input_data(api, context, kSeqlensK));
@@ -236,14 +247,22 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* context) {
     tiles = seqlens_k != nullptr && seqlens_k[0] + 1 == total && total >= tokens && total <= cos[0] &&
             total <= past[2];
   }
-  if (!tiles) return native(outputs);
+  const int64_t new_tokens = query.size() == 3 ? query[1] : 0;
+  if (!tiles) {
+    if (kernel.tiles && new_tokens >= kFromTokens)
+      tell(kernel, kernel.told_native, new_tokens, "through onnxruntime's kernel");
+    return native(outputs);
+  }
   void *out = nullptr, *key = nullptr, *value = nullptr;
   if (outputs[kOutput]) api.GetTensorMutableData(outputs[kOutput], &out);
   if (outputs[kPresentKey]) api.GetTensorMutableData(outputs[kPresentKey], &key);
   if (outputs[kPresentValue]) api.GetTensorMutableData(outputs[kPresentValue], &value);
   if (out == nullptr || key == nullptr || key != input_data(api, context, kPastKey) || value == nullptr ||
-      value != input_data(api, context, kPastValue))  // present apart from past: onnxruntime's kernel
+      value != input_data(api, context, kPastValue)) {  // present apart from past: onnxruntime's kernel
+    tell(kernel, kernel.told_native, new_tokens, "through onnxruntime's kernel");
     return native(outputs);
+  }
+  tell(kernel, kernel.told_tiles, new_tokens, "on the bf16 AMX tiles");
   Buffer rotated = aligned_buffer(static_cast<size_t>(tokens * kernel.heads * head_dim) * sizeof(float));
   Prompt prompt{static_cast<const float*>(input_data(api, context, kQuery)),
                 static_cast<const float*>(input_data(api, context, kCosCache)),
@@ -251,7 +270,7 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* context) {
                 static_cast<float*>(rotated.get()),
                 static_cast<float*>(key),
                 static_cast<float*>(value),
-                tokens, total - tokens, kernel.heads, kernel.kv_heads, head_dim, past[2]};
+                tokens, total - tokens, kernel.heads, kernel.kv_heads, head_dim, cos[1], past[2]};
   Context ctx{&api, context};
   parallel_for(&ctx, place_token, static_cast<size_t>(tokens), &prompt);
   Attention a;

@@ -1,4 +1,5 @@
-// Attention on AMX bf16 tiles (attention.h), one task per batch row and query head.
+// Attention on AMX bf16 tiles (attention.h), one task per batch row and K/V head, its query heads one after the
+// other.
 //
 // Per task, K and V are converted once into the layout TDPBF16PS reads its second operand in (K: per 16 keys and 32
 // of head_dim a tile whose row j holds dims 2j, 2j + 1 of the 16 keys; V: per 16 dims and 32 keys a tile whose row j
@@ -197,20 +198,11 @@ BP_BF16 void softmax_row(const Attention& a, int64_t b, int64_t h, int64_t row, 
   }
 }
 
-BP_BF16 void run_head(void* data, size_t index) {
-  const Job& job = *static_cast<const Job*>(data);
-  const Attention& a = *job.a;
-  const Shape& s = job.shape;
-  const int64_t b = static_cast<int64_t>(index) / a.heads, h = static_cast<int64_t>(index) % a.heads;
-  const int64_t dim = a.head_dim, width = a.heads * dim, g = h / (a.heads / a.kv_heads);
-  thread_local Buffers buffers;
-  buffers.reserve(s);
+// One query head of batch row b over the K/V tiles already in `buffers`.
+BP_BF16 void run_head(const Attention& a, const Shape& s, Buffers& buffers, int64_t b, int64_t h) {
+  const int64_t dim = a.head_dim, width = a.heads * dim;
   const float* q = a.q + b * a.q_len * a.q_row_stride + h * dim;
-  const int64_t kv_at = b * a.kv_batch_stride + g * a.kv_head_stride;
   row_tiles(q, a.q_len, a.q_row_stride, dim, s.dim_steps, a.scale, false, buffers.q);
-  row_tiles(a.k + kv_at, a.kv_len, a.kv_row_stride, dim, s.dim_steps, 1.0f, true, buffers.k);
-  value_tiles(a.v + kv_at, a.kv_len, a.kv_row_stride, dim, s, buffers.v);
-  _tile_loadconfig(&square_tiles());
   alignas(64) float sums[2 * kGroup * 2 * kGroup];
   for (int64_t pair = 0; pair < s.row_pairs; ++pair) {
     const int rows = static_cast<int>(std::min<int64_t>(2 * kGroup, a.q_len - pair * 2 * kGroup));
@@ -243,6 +235,22 @@ BP_BF16 void run_head(void* data, size_t index) {
       }
     }
   }
+}
+
+// One task: K/V head g of batch row b converted once, then each query head that reads it.
+BP_BF16 void run_kv_head(void* data, size_t index) {
+  const Job& job = *static_cast<const Job*>(data);
+  const Attention& a = *job.a;
+  const Shape& s = job.shape;
+  const int64_t b = static_cast<int64_t>(index) / a.kv_heads, g = static_cast<int64_t>(index) % a.kv_heads;
+  const int64_t group = a.heads / a.kv_heads;
+  thread_local Buffers buffers;
+  buffers.reserve(s);
+  const int64_t kv_at = b * a.kv_batch_stride + g * a.kv_head_stride;
+  row_tiles(a.k + kv_at, a.kv_len, a.kv_row_stride, a.head_dim, s.dim_steps, 1.0f, true, buffers.k);
+  value_tiles(a.v + kv_at, a.kv_len, a.kv_row_stride, a.head_dim, s, buffers.v);
+  _tile_loadconfig(&square_tiles());
+  for (int64_t h = g * group; h < (g + 1) * group; ++h) run_head(a, s, buffers, b, h);
   _tile_release();
 }
 
@@ -257,7 +265,7 @@ bool attention_bf16_amx(const Attention& a, ParallelFor run, void* context) {
   job.shape.key_pairs = (a.kv_len + kStep - 1) / kStep;
   job.shape.row_pairs = (a.q_len + 2 * kGroup - 1) / (2 * kGroup);
   job.shape.padded_keys = job.shape.key_pairs * kStep;
-  run(context, run_head, static_cast<size_t>(a.batch * a.heads), &job);
+  run(context, run_kv_head, static_cast<size_t>(a.batch * a.kv_heads), &job);
   return true;
 }
 

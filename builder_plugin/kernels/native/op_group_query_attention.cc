@@ -122,10 +122,11 @@ OrtStatus* create(const OrtCustomOp*, const OrtApi* table, const OrtKernelInfo* 
   kernel->softcap = attribute(api, info, "softcap", 0.0f);
   OrtStatus* status = api.KernelInfo_GetInputCount(info, &kernel->inputs);
   if (status == nullptr) status = api.KernelInfo_GetOutputCount(info, &kernel->outputs);
-  if (status == nullptr && kernel->outputs > kOutputQk)
-    status = api.CreateStatus(ORT_INVALID_ARGUMENT,
-                              ("GroupQueryAttention " + kernel->name + ": the qk output is not supported by the "
-                               "builder_plugin library's kernel (BUILDER_PLUGIN_KERNELS=0 runs onnxruntime's)").c_str());
+  if (status == nullptr && kernel->outputs > kOutputQk) {
+    const std::string message = "GroupQueryAttention " + kernel->name + ": the qk output is not supported by the "
+                                "builder_plugin library's kernel (BUILDER_PLUGIN_KERNELS=0 runs onnxruntime's)";
+    status = api.CreateStatus(ORT_INVALID_ARGUMENT, message.c_str());
+  }
   if (status == nullptr) status = make_native(*kernel, info);
   if (status) {
     delete kernel;
@@ -304,7 +305,9 @@ void destroy(void* op_kernel) {
 
 const char* name(const OrtCustomOp*) { return "GroupQueryAttention"; }
 size_t inputs(const OrtCustomOp*) { return kInputs; }
-OrtElementType input_type(const OrtCustomOp*, size_t index) { return index < kInputs ? kInputTypes[index] : ORT_UNDEFINED; }
+OrtElementType input_type(const OrtCustomOp*, size_t index) {
+  return index < kInputs ? kInputTypes[index] : ORT_UNDEFINED;
+}
 OrtCustomOpCharacteristic input_characteristic(const OrtCustomOp*, size_t index) {
   return index == kQuery ? ORT_REQUIRED : ORT_OPTIONAL;
 }

@@ -1,8 +1,8 @@
 // The library onnxruntime loads (SessionOptions.register_custom_ops_library, genai_config's custom_ops_library): it
 // registers a CPU kernel for com.microsoft MatMulNBits (and on CPUs with AMX bf16, MultiHeadAttention and
-// GroupQueryAttention: op_attention.cc, op_group_query_attention.cc), which onnxruntime then prefers to its own for every such node of the session, so a package's
-// graphs need no change. On a CPU without AVX-512 VNNI it registers nothing (one line on stderr says so) and
-// onnxruntime's own kernels run.
+// GroupQueryAttention: op_attention.cc, op_group_query_attention.cc), which onnxruntime then prefers to its own for
+// every such node of the session, so a package's graphs need no change. On a CPU without AVX-512 VNNI it registers
+// nothing (one line on stderr says so) and onnxruntime's own kernels run.
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>

@@ -30,8 +30,10 @@ struct Attention {
 // The layout of K and V as [batch, kv_len, heads x head_dim] (the encoders'): sets kv_heads and the strides.
 void packed_rows(Attention& a);
 
+constexpr int64_t kMaxAttentionHeadDim = 256;
+
 // On AMX bf16 tiles: Q (scaled), K, V and the probabilities rounded to bf16, scores, softmax and sums in float.
-// head_dim up to 256. False without AMX bf16 (nothing is written then).
+// head_dim up to kMaxAttentionHeadDim. False without AMX bf16 (nothing is written then).
 bool attention_bf16_amx(const Attention& a, ParallelFor run, void* context);
 
 }  // namespace bp

@@ -26,7 +26,6 @@ constexpr int kGroup = 16;
 constexpr int kStep = 32;
 constexpr int kTileElements = kGroup * kStep;
 constexpr int kPairElements = 2 * kTileElements;
-constexpr int64_t kMaxHeadDim = 256;
 
 // exp(x) for x <= 0 (scores less their row's maximum): 2^n x a degree-6 polynomial of the remainder (|r| <= ln2 / 2,
 // relative error below 2e-7); below -87 it is 0 (as float's exp, nearly).
@@ -257,7 +256,8 @@ BP_BF16 void run_kv_head(void* data, size_t index) {
 }  // namespace
 
 bool attention_bf16_amx(const Attention& a, ParallelFor run, void* context) {
-  if (!cpu().amx_bf16 || a.head_dim > kMaxHeadDim || a.head_dim < 1 || a.kv_heads < 1 || a.heads % a.kv_heads)
+  if (!cpu().amx_bf16 || a.head_dim > kMaxAttentionHeadDim || a.head_dim < 1 || a.kv_heads < 1 ||
+      a.heads % a.kv_heads)
     return false;
   Job job{&a, {}};
   job.shape.dim_steps = (a.head_dim + kStep - 1) / kStep;

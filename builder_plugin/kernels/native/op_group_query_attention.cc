@@ -40,7 +40,7 @@ constexpr int64_t kFromTokens = 16;
 // The attributes onnxruntime's GroupQueryAttention reads, passed on to it as the node has them.
 constexpr const char* kIntAttributes[] = {"num_heads", "kv_num_heads", "local_window_size", "do_rotary",
                                           "rotary_interleaved", "smooth_softmax", "qk_output"};
-constexpr const char* kFloatAttributes[] = {"scale", "softcap"};
+constexpr const char* kFloatAttributes[] = {"scale", "softcap", "mask_filter_value"};
 
 struct Kernel {
   ort::Api api;
@@ -238,7 +238,8 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* context) {
                inputs[kKey] == nullptr && inputs[kValue] == nullptr && inputs[kPositionIds] == nullptr &&
                inputs[kAttentionBias] == nullptr && inputs[kHeadSink] == nullptr;
   const int64_t head_dim = query.size() == 3 ? query[2] / (kernel.heads + 2 * kernel.kv_heads) : 0;
-  tiles = tiles && head_dim > 0 && head_dim % 2 == 0 && query[2] == (kernel.heads + 2 * kernel.kv_heads) * head_dim &&
+  tiles = tiles && head_dim > 0 && head_dim <= kMaxAttentionHeadDim &&
+          query[2] == (kernel.heads + 2 * kernel.kv_heads) * head_dim &&
           past[3] == head_dim && cos[1] > 0 && cos[1] % 8 == 0 && cos[1] * 2 <= head_dim;
   int64_t total = 0, tokens = tiles ? query[1] : 0;
   if (tiles) {

@@ -11,22 +11,30 @@ bool trace() {
   return v != nullptr && *v && std::strcmp(v, "0") != 0;
 }
 
+bool has_attribute(const ort::Api& api, const OrtKernelInfo* info, const char* name, int64_t* value) {
+  if (OrtStatus* status = api.KernelInfoGetAttribute_int64(info, name, value)) {
+    api.ReleaseStatus(status);
+    return false;
+  }
+  return true;
+}
+
+bool has_attribute(const ort::Api& api, const OrtKernelInfo* info, const char* name, float* value) {
+  if (OrtStatus* status = api.KernelInfoGetAttribute_float(info, name, value)) {
+    api.ReleaseStatus(status);
+    return false;
+  }
+  return true;
+}
+
 int64_t attribute(const ort::Api& api, const OrtKernelInfo* info, const char* name, int64_t fallback) {
   int64_t value = fallback;
-  if (OrtStatus* status = api.KernelInfoGetAttribute_int64(info, name, &value)) {
-    api.ReleaseStatus(status);
-    return fallback;
-  }
-  return value;
+  return has_attribute(api, info, name, &value) ? value : fallback;
 }
 
 float attribute(const ort::Api& api, const OrtKernelInfo* info, const char* name, float fallback) {
   float value = fallback;
-  if (OrtStatus* status = api.KernelInfoGetAttribute_float(info, name, &value)) {
-    api.ReleaseStatus(status);
-    return fallback;
-  }
-  return value;
+  return has_attribute(api, info, name, &value) ? value : fallback;
 }
 
 std::string node_name(const ort::Api& api, const OrtKernelInfo* info) {

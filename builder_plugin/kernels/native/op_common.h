@@ -18,6 +18,9 @@ constexpr const char* kLibrary = "builder_plugin ops";
 // BUILDER_PLUGIN_OPS_TRACE=1: one line per kernel made (at session load) naming the path it takes.
 bool trace();
 
+// An attribute of the node: false where the node lacks it (`value` untouched), or the value / `fallback`.
+bool has_attribute(const ort::Api& api, const OrtKernelInfo* info, const char* name, int64_t* value);
+bool has_attribute(const ort::Api& api, const OrtKernelInfo* info, const char* name, float* value);
 int64_t attribute(const ort::Api& api, const OrtKernelInfo* info, const char* name, int64_t fallback);
 float attribute(const ort::Api& api, const OrtKernelInfo* info, const char* name, float fallback);
 std::string node_name(const ort::Api& api, const OrtKernelInfo* info);

@@ -60,22 +60,6 @@ void tell(const Kernel& kernel, std::atomic<bool>& told, int64_t tokens, const c
                  kernel.name.c_str(), static_cast<long long>(tokens), path);
 }
 
-bool has_attribute(const ort::Api& api, const OrtKernelInfo* info, const char* name, int64_t* value) {
-  if (OrtStatus* status = api.KernelInfoGetAttribute_int64(info, name, value)) {
-    api.ReleaseStatus(status);
-    return false;
-  }
-  return true;
-}
-
-bool has_attribute(const ort::Api& api, const OrtKernelInfo* info, const char* name, float* value) {
-  if (OrtStatus* status = api.KernelInfoGetAttribute_float(info, name, value)) {
-    api.ReleaseStatus(status);
-    return false;
-  }
-  return true;
-}
-
 // onnxruntime's GroupQueryAttention with the node's attributes.
 OrtStatus* make_native(Kernel& kernel, const OrtKernelInfo* info) {
   const ort::Api& api = kernel.api;

@@ -25,10 +25,15 @@ LIBRARY = kernels.library_path()
 ACTIVE = kernels.level() != "none"
 TRACE = "BUILDER_PLUGIN_OPS_TRACE"
 # The int8 paths this CPU runs (BUILDER_PLUGIN_OPS_PATH forces one for every row count) and the trace naming each.
-PATHS = {"avx512": "int8 AVX-512 path", "amx": "int8 AMX path"}
-INT8_PATHS = [path for path in PATHS if path == "avx512" or kernels.level() in ("amx", "amx_bf16")]
+PATHS = {"avx512": "int8 AVX-512 path", "panels": "int8 AVX-512 panels path", "amx": "int8 AMX path"}
+INT8_PATHS = [path for path in PATHS if path != "amx" or kernels.level() in ("amx", "amx_bf16")]
 BF16 = kernels.level() == "amx_bf16"
 BF16_FROM_ROWS = 16  # ops.cc: kBf16FromRows
+PANELS_FROM_ROWS = 32  # ops.cc: kPanelsFromRows
+WITHOUT_AMX = f"int8 AVX-512 (up to {PANELS_FROM_ROWS - 1} rows) / int8 AVX-512 panels path"
+# The paths a node takes by default on this CPU, as the trace names them ("" where the library registers nothing).
+DEFAULT_PATHS = {"none": "", "avx512_vnni": WITHOUT_AMX, "amx": "int8 AVX-512 (up to 11 rows) / int8 AMX path",
+                 "amx_bf16": f"int8 AVX-512 (up to {BF16_FROM_ROWS - 1} rows) / bf16 AMX path"}[kernels.level()]
 
 
 @pytest.fixture(params=INT8_PATHS)
@@ -170,7 +175,7 @@ def test_bf16_path_against_the_bf16_reference(tmp_path, monkeypatch, capfd, bits
     path = write_graph(tmp_path / "g.onnx", b, bias=bias)
     monkeypatch.setenv("BUILDER_PLUGIN_OPS_PATH", "bf16")
     monkeypatch.setenv(TRACE, "1")
-    assert traced_path(capfd, path) == ("bf16 AMX path" if BF16 else PATHS["avx512"] if ACTIVE else "")
+    assert traced_path(capfd, path) == ("bf16 AMX path" if BF16 else DEFAULT_PATHS)
     check_bf16_path(run(path, a, library=True), b, a, bias, run(path, a, library=False))
 
 
@@ -197,10 +202,7 @@ def test_rows_choose_the_path(tmp_path, capfd, monkeypatch):
     path = write_graph(tmp_path / "g.onnx", b)
     monkeypatch.delenv("BUILDER_PLUGIN_OPS_PATH", raising=False)
     monkeypatch.setenv(TRACE, "1")
-    expected = "" if not ACTIVE else (f"int8 AVX-512 (up to {BF16_FROM_ROWS - 1} rows) / bf16 AMX path" if BF16
-                                      else PATHS["avx512"] if kernels.level() == "avx512_vnni"
-                                      else "int8 AVX-512 (up to 11 rows) / int8 AMX path")
-    assert traced_path(capfd, path) == expected
+    assert traced_path(capfd, path) == DEFAULT_PATHS
     monkeypatch.delenv(TRACE)
     for rows in (BF16_FROM_ROWS - 1, BF16_FROM_ROWS):
         a = rng.standard_normal((rows, 500)).astype(np.float32)
@@ -213,3 +215,20 @@ def test_rows_choose_the_path(tmp_path, capfd, monkeypatch):
         if BF16 and rows >= BF16_FROM_ROWS:
             expected_y, summation = bf16_reference(b, a)
             assert np.all(np.abs(y - expected_y) <= summation)
+
+
+def test_a_cpu_without_amx_is_emulated(tmp_path, capfd, monkeypatch):
+    """BUILDER_PLUGIN_OPS_PATH=vnni gives any CPU with AVX-512 VNNI the paths of one without AMX (the benchmarks'
+    library-vnni), and its many-rows path gives the int8 numbers."""
+    rng = np.random.default_rng(6)
+    b = random_b(rng, 700, 53, 4, 32, zero_points=False)
+    path = write_graph(tmp_path / "g.onnx", b)
+    monkeypatch.setenv("BUILDER_PLUGIN_OPS_PATH", "vnni")
+    monkeypatch.setenv(TRACE, "1")
+    assert traced_path(capfd, path) == (WITHOUT_AMX if ACTIVE else "")
+    monkeypatch.delenv(TRACE)
+    a = rng.standard_normal((PANELS_FROM_ROWS + 3, 700)).astype(np.float32)
+    y = run(path, a, library=True).astype(np.float64)
+    if ACTIVE:
+        int8 = int8_reference(b, a)
+        assert np.abs(y - int8).max() <= 1e-5 * (np.abs(int8).max() + 1)

@@ -46,6 +46,11 @@ bool matmul_int8_amx(const Weights& w, const float* a, int64_t m, float* y, Para
 // bf16 (nothing is written then).
 bool matmul_bf16_amx(const Weights& w, const float* a, int64_t m, float* y, ParallelFor run, void* context);
 
+// Many rows (a prompt) without AMX: the same numbers as matmul_int8_avx512, B unpacked once per call, panel by panel,
+// to unsigned int8 codes in vpdpbusd's operand layout, products on register tiles of 4 rows x 48 columns. bits 4 or 8,
+// block >= 16, no g_idx. False without AVX-512 VNNI (nothing is written then).
+bool matmul_int8_panels(const Weights& w, const float* a, int64_t m, float* y, ParallelFor run, void* context);
+
 struct Cpu {
   bool avx512_vnni = false;  // AVX-512 F/BW/VL/DQ and VNNI, with the OS saving their registers
   bool amx_int8 = false;     // AMX tiles and int8, the OS saving them and granting this process their use

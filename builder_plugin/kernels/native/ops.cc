@@ -26,15 +26,18 @@ enum Input { kA = 0, kB, kScales, kZeroPoints, kGIdx, kBias, kInputs };
 constexpr OrtElementType kInputTypes[kInputs] = {ORT_FLOAT, ORT_UINT8, ORT_FLOAT, ORT_UINT8, ORT_INT32, ORT_FLOAT};
 
 // The kernel's paths: few rows (decode steps) on AVX-512 VNNI reading B in place; many rows (a prompt) on AMX, bf16
-// panels of B (bits 4 and 8, no g_idx) or the int8 block products; the float path where neither applies.
-enum class Path { kFloat, kAvx512, kAmxInt8, kAmxBf16 };
-constexpr const char* kPathNames[] = {"float", "int8 AVX-512", "int8 AMX", "bf16 AMX"};
+// panels of B (bits 4 and 8, no g_idx) or the int8 block products, and without AMX int8 panels of B on AVX-512 VNNI;
+// the float path where none applies.
+enum class Path { kFloat, kAvx512, kAmxInt8, kAmxBf16, kPanels };
+constexpr const char* kPathNames[] = {"float", "int8 AVX-512", "int8 AMX", "bf16 AMX", "int8 AVX-512 panels"};
 
-// Rows from which the many-rows path beats AVX-512 VNNI (bench_kernel.py): the bf16 panels, or on a CPU with AMX int8
-// only, the int8 tiles. BUILDER_PLUGIN_OPS_PATH=avx512, amx or bf16 forces one path for every row count (benchmarks,
-// tests); a path this CPU lacks leaves the default.
+// Rows from which the many-rows path beats reading B in place (bench_kernel.py): the bf16 panels, on a CPU with AMX
+// int8 only the int8 tiles, without AMX the int8 panels. BUILDER_PLUGIN_OPS_PATH=avx512, panels, amx or bf16 forces
+// one path for every row count (benchmarks, tests); a path this CPU lacks leaves the default. =vnni takes the paths of
+// a CPU with AVX-512 VNNI but no AMX (what benchmarks emulate on one with it).
 constexpr int64_t kBf16FromRows = 16;
 constexpr int64_t kAmxFromRows = 12;
+constexpr int64_t kPanelsFromRows = 32;
 
 struct Kernel {
   ort::Api api;
@@ -50,21 +53,33 @@ Path forced_path() {
   const char* forced = std::getenv("BUILDER_PLUGIN_OPS_PATH");
   return forced == nullptr                                 ? Path::kFloat
          : std::strcmp(forced, "avx512") == 0               ? Path::kAvx512
+         : std::strcmp(forced, "panels") == 0               ? Path::kPanels
          : std::strcmp(forced, "amx") == 0 && cpu.amx_int8  ? Path::kAmxInt8
          : std::strcmp(forced, "bf16") == 0 && cpu.amx_bf16 ? Path::kAmxBf16
                                                             : Path::kFloat;
+}
+
+// Whether AMX may run: the CPU has it and BUILDER_PLUGIN_OPS_PATH does not ask for a path without it.
+bool amx_allowed(bool granted) {
+  const char* forced = std::getenv("BUILDER_PLUGIN_OPS_PATH");
+  const Path path = forced_path();
+  return granted && (forced == nullptr || std::strcmp(forced, "vnni") != 0) &&
+         path != Path::kAvx512 && path != Path::kPanels;
 }
 
 void choose_paths(Kernel& kernel) {
   const bp::Cpu& cpu = bp::cpu();
   if (kernel.accuracy_level != 4 || (kernel.bits != 4 && kernel.bits != 8) || !cpu.avx512_vnni) return;
   kernel.few = kernel.many = Path::kAvx512;
-  if (cpu.amx_bf16) {
+  if (amx_allowed(cpu.amx_bf16)) {
     kernel.many = Path::kAmxBf16;
     kernel.many_from_rows = kBf16FromRows;
-  } else if (cpu.amx_int8) {
+  } else if (amx_allowed(cpu.amx_int8)) {
     kernel.many = Path::kAmxInt8;
     kernel.many_from_rows = kAmxFromRows;
+  } else {
+    kernel.many = Path::kPanels;
+    kernel.many_from_rows = kPanelsFromRows;
   }
   const Path path = forced_path();
   if (path != Path::kFloat) {
@@ -148,6 +163,7 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* context) {
     const Path path = m >= kernel.many_from_rows ? kernel.many : kernel.few;
     if (path == Path::kAmxBf16) done = bp::matmul_bf16_amx(w, a, m, out, parallel_for, &ctx);
     if (path == Path::kAmxInt8) done = bp::matmul_int8_amx(w, a, m, out, parallel_for, &ctx);
+    if (path == Path::kPanels) done = bp::matmul_int8_panels(w, a, m, out, parallel_for, &ctx);
     if (path != Path::kFloat) done = done || bp::matmul_int8_avx512(w, a, m, out, parallel_for, &ctx);
   }
   if (!done) bp::matmul_reference(w, a, m, out, parallel_for, &ctx);
@@ -199,8 +215,7 @@ __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOp
   if (OrtStatus* status = api.CustomOpDomain_Add(domain, &kMatMulNBits)) return status;
   // the encoders' and the prompts' attention on AMX bf16 (elsewhere onnxruntime's own); a forced int8 path leaves them
   // out too (a CPU without AMX bf16, as benchmarks emulate it)
-  const Path forced = forced_path();
-  if (bp::cpu().amx_bf16 && forced != Path::kAvx512 && forced != Path::kAmxInt8) {
+  if (amx_allowed(bp::cpu().amx_bf16) && forced_path() != Path::kAmxInt8) {
     if (OrtStatus* status = api.CustomOpDomain_Add(domain, &multi_head_attention())) return status;
     if (OrtStatus* status = api.CustomOpDomain_Add(domain, &group_query_attention())) return status;
   }

@@ -1,0 +1,228 @@
+// The many-rows path (a prompt) on CPUs with AVX-512 VNNI but no AMX: a packed-panel int8 GEMM on vpdpbusd.
+//
+// A's rows are quantized per block of K as on the other int8 paths (quantize_rows). Each task unpacks a panel of B (48
+// columns x all of K) once into a buffer that stays in L2: per "quad" (4 rows of K), the 16 columns' 4 unsigned codes
+// side by side in one 64-byte vector, the operand vpdpbusd multiplies with 4 signed activation codes broadcast. With
+// 4 bits, a 32-bit word of a column holds 8 rows of K (low nibbles the even ones); its quads are the low nibbles, then
+// the high ones, and A's codes are put in that order (per 8 rows of K: 0 2 4 6 1 3 5 7). Every row of A then meets the
+// panel, 4 rows x 48 columns at a time. Per block of K the integer sums are exact; converted to float they take both
+// scales, and the zero point's share (zp x weight scale x activation scale x the block's sum of activation codes) is
+// taken off.
+#include "matmul_nbits.h"
+#include "quantize.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+
+#define BP_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,avx2,bmi2")))
+
+namespace bp {
+namespace {
+
+constexpr int kVector = 16;                            // columns per vector
+constexpr int kPanelVectors = 3;                       // vectors per panel
+constexpr int kPanelColumns = kVector * kPanelVectors;  // 48
+constexpr int kQuadBytes = kPanelVectors * 64;          // one quad of the panel
+constexpr int kTileRows = 4;                            // rows of A per register tile
+
+struct Plan {
+  const Weights* w;
+  float* y;
+  int64_t m, blocks, quads_per_block, quads, column_bytes, zero_point_columns;
+  QuantizedRows rows;  // codes in the panel's order of K
+  Buffer terms;        // float [m][blocks]: activation scale x the block's sum of codes
+  const float* row_terms(int64_t r) const { return static_cast<const float*>(terms.get()) + r * blocks; }
+};
+
+// Per row: the codes in the panel's order (4 bits) and each block's activation scale x sum of codes.
+BP_VNNI void arrange_rows(Plan& p) {
+  const __m512i order = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15));
+  const __m512i ones = _mm512_set1_epi8(1);
+  const int64_t block = p.w->block, padded = p.rows.padded;
+  p.terms = aligned_buffer(static_cast<size_t>(p.m * p.blocks * 4 + 64));
+  auto* terms = static_cast<float*>(p.terms.get());
+  alignas(64) int32_t sums[kVector];
+  for (int64_t r = 0; r < p.m; ++r) {
+    int8_t* codes = static_cast<int8_t*>(p.rows.codes.get()) + r * padded;
+    float* row_terms = terms + r * p.blocks;
+    std::fill(row_terms, row_terms + p.blocks, 0.0f);
+    for (int64_t at = 0; at < padded; at += 64) {
+      __m512i v = _mm512_load_si512(codes + at);
+      _mm512_store_si512(sums, _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, v));
+      for (int lane = 0; lane < kVector; ++lane) {
+        const int64_t b = (at + 4 * lane) / block;
+        if (b < p.blocks) row_terms[b] += static_cast<float>(sums[lane]);
+      }
+      if (p.w->bits == 4) _mm512_store_si512(codes + at, _mm512_shuffle_epi8(v, order));
+    }
+    const float* scales = p.rows.row_scales(r);
+    for (int64_t b = 0; b < p.blocks; ++b) row_terms[b] *= scales[b];
+  }
+}
+
+// A panel of B: codes [quads][3 vectors][64 bytes], then per block the 48 columns' weight scales and zp x scale.
+struct Panel {
+  uint8_t* codes;
+  float* scales;
+  float* zero_terms;
+};
+
+BP_VNNI int zero_point(const Plan& p, int64_t col, int64_t b) {
+  const Weights& w = *p.w;
+  if (w.zero_points == nullptr) return 1 << (w.bits - 1);
+  const uint8_t* zp = w.zero_points + col * p.zero_point_columns;
+  return w.bits == 4 ? (zp[b >> 1] >> (4 * (b & 1))) & 0x0F : zp[b];
+}
+
+// Columns [col0, col0 + 48) unpacked; columns past N as zeros.
+template <int BITS>
+BP_VNNI void unpack(const Plan& p, int64_t col0, const Panel& panel) {
+  const Weights& w = *p.w;
+  const int64_t words = p.column_bytes / 4;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int v = 0; v < kPanelVectors; ++v) {
+    const int64_t first = col0 + v * kVector;
+    const int64_t valid = std::clamp<int64_t>(w.n - first, 0, kVector);
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+    const __m512i offsets = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(p.column_bytes)));
+    const uint8_t* base = w.packed + std::min(first, w.n - 1) * p.column_bytes;
+    uint8_t* out = panel.codes + v * 64;
+    for (int64_t word = 0; word < words; ++word) {
+      const __m512i codes = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, offsets, base + word * 4, 1);
+      if (BITS == 4) {
+        _mm512_store_si512(out + (2 * word) * kQuadBytes, _mm512_and_si512(codes, low));
+        _mm512_store_si512(out + (2 * word + 1) * kQuadBytes, _mm512_and_si512(_mm512_srli_epi16(codes, 4), low));
+      } else {
+        _mm512_store_si512(out + word * kQuadBytes, codes);
+      }
+    }
+  }
+  for (int j = 0; j < kPanelColumns; ++j) {
+    const int64_t col = col0 + j;
+    for (int64_t b = 0; b < p.blocks; ++b) {
+      const float scale = col < w.n ? w.scales[col * p.blocks + b] : 0.0f;
+      panel.scales[b * kPanelColumns + j] = scale;
+      panel.zero_terms[b * kPanelColumns + j] = col < w.n ? scale * static_cast<float>(zero_point(p, col, b)) : 0.0f;
+    }
+  }
+}
+
+// Rows [row0, row0 + R) x the panel's columns over all of K, into Y (with the bias).
+template <int R>
+BP_VNNI void tile(const Plan& p, const Panel& panel, int64_t col0, int64_t row0) {
+  __m512 f[R][kPanelVectors];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+  #pragma GCC unroll 4
+    for (int c = 0; c < kPanelVectors; ++c) f[r][c] = _mm512_setzero_ps();
+  const int32_t* a[R];
+  const float* sa[R];
+  const float* t[R];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r) {
+    a[r] = reinterpret_cast<const int32_t*>(p.rows.row(row0 + r));
+    sa[r] = p.rows.row_scales(row0 + r);
+    t[r] = p.row_terms(row0 + r);
+  }
+  const uint8_t* wq = panel.codes;
+  int64_t quad = 0;
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    __m512i acc[R][kPanelVectors];
+  #pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+    #pragma GCC unroll 4
+      for (int c = 0; c < kPanelVectors; ++c) acc[r][c] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+    for (int64_t q = 0; q < p.quads_per_block; ++q, ++quad, wq += kQuadBytes) {
+      const __m512i w0 = _mm512_load_si512(wq), w1 = _mm512_load_si512(wq + 64), w2 = _mm512_load_si512(wq + 128);
+    #pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) {
+        const __m512i x = _mm512_set1_epi32(a[r][quad]);
+        acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], w0, x);
+        acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], w1, x);
+        acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], w2, x);
+      }
+    }
+    const float* sw = panel.scales + b * kPanelColumns;
+    const float* zt = panel.zero_terms + b * kPanelColumns;
+  #pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m512 s = _mm512_set1_ps(sa[r][b]), term = _mm512_set1_ps(t[r][b]);
+    #pragma GCC unroll 4
+      for (int c = 0; c < kPanelVectors; ++c) {
+        const __m512 scale = _mm512_mul_ps(s, _mm512_load_ps(sw + c * kVector));
+        f[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), scale, f[r][c]);
+        f[r][c] = _mm512_fnmadd_ps(term, _mm512_load_ps(zt + c * kVector), f[r][c]);
+      }
+    }
+  }
+  const Weights& w = *p.w;
+#pragma GCC unroll 4
+  for (int c = 0; c < kPanelVectors; ++c) {
+    const int64_t col = col0 + c * kVector;
+    const int64_t valid = std::clamp<int64_t>(w.n - col, 0, kVector);
+    if (valid == 0) break;
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+    const __m512 bias = w.bias ? _mm512_maskz_loadu_ps(mask, w.bias + col) : _mm512_setzero_ps();
+  #pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(p.y + (row0 + r) * w.n + col, mask, _mm512_add_ps(f[r][c], bias));
+  }
+}
+
+using TileFn = void (*)(const Plan&, const Panel&, int64_t, int64_t);
+constexpr TileFn kTiles[kTileRows] = {tile<1>, tile<2>, tile<3>, tile<4>};
+
+// One task: a panel, unpacked once, against every row of A.
+BP_VNNI void run_task(void* data, size_t index) {
+  const Plan& p = *static_cast<const Plan*>(data);
+  const int64_t col0 = static_cast<int64_t>(index) * kPanelColumns;
+  thread_local Buffer storage;
+  thread_local size_t capacity = 0;
+  const size_t code_bytes = static_cast<size_t>(p.quads * kQuadBytes);
+  const size_t needed = code_bytes + static_cast<size_t>(2 * p.blocks * kPanelColumns * 4);
+  if (capacity < needed) {
+    storage = aligned_buffer(needed);
+    capacity = needed;
+  }
+  auto* bytes = static_cast<uint8_t*>(storage.get());
+  const Panel panel{bytes, reinterpret_cast<float*>(bytes + code_bytes),
+                    reinterpret_cast<float*>(bytes + code_bytes) + p.blocks * kPanelColumns};
+  if (p.w->bits == 4) unpack<4>(p, col0, panel);
+  else unpack<8>(p, col0, panel);
+  for (int64_t row = 0; row < p.m; row += kTileRows)
+    kTiles[std::min<int64_t>(kTileRows, p.m - row) - 1](p, panel, col0, row);
+}
+
+}  // namespace
+
+bool matmul_int8_panels(const Weights& w, const float* a, int64_t m, float* y, ParallelFor run, void* context) {
+  if (!cpu().avx512_vnni || (w.bits != 4 && w.bits != 8) || w.block < 16 || w.g_idx != nullptr) return false;
+  Plan p{};
+  p.w = &w;
+  p.y = y;
+  p.m = m;
+  p.blocks = w.blocks();
+  p.column_bytes = w.column_bytes();
+  p.zero_point_columns = w.zero_point_columns();
+  p.quads_per_block = w.block / 4;
+  p.quads = p.blocks * p.quads_per_block;
+  // whole blocks of A's codes (zeros past K), a multiple of 64 for arrange_rows
+  quantize_rows(a, w.k, w.block, (p.quads * 4 + 63) / 64 * 64, m, p.rows);
+  arrange_rows(p);
+  run(context, run_task, static_cast<size_t>((w.n + kPanelColumns - 1) / kPanelColumns), &p);
+  return true;
+}
+
+}  // namespace bp
+
+#else
+
+namespace bp {
+bool matmul_int8_panels(const Weights&, const float*, int64_t, float*, ParallelFor, void*) { return false; }
+}  // namespace bp
+
+#endif

@@ -43,13 +43,14 @@ from benchmarks.common import (
     machine_markdown,
     markdown_table,
     measure_or_replay,
+    per_machine_class,
     read_probe_gb_s,
 )
 from builder_plugin import kernels
 from builder_plugin.runtime.threads import default_threads
 from builder_plugin.testing.make_checkpoint import PRESETS
 
-HEADING = "## MatMulNBits kernel of the library"
+HEADING = per_machine_class("## MatMulNBits kernel of the library")
 KERNELS = ("onnxruntime", "library")
 GEMM = "int8 GEMM"  # onnxruntime's DynamicQuantizeMatMul: the reference throughput of many rows
 

@@ -4,7 +4,7 @@ package with the project's kernel library and without it (onnxruntime's own MatM
 library), taking turns.
 
     python -m benchmarks.bench_prompt PKG [--rounds 2] [--asks 2] [--new-tokens 16] [--prompts text-512,image,audio-30s]
-                                          [--kernels library,library-avx512,onnxruntime]
+                                          [--kernels library,library-vnni,onnxruntime]
     python -m benchmarks.bench_prompt --from-json benchmarks/results/prompt.json   # redo the report
 
 Reported per prompt and kernel, best / median over the rounds: time to the first token (question asked to first
@@ -38,12 +38,16 @@ from benchmarks.common import (
     markdown_table,
     measure_or_replay,
     peak_rss_bytes,
+    per_machine_class,
 )
+from builder_plugin.kernels import level as library_level
 
-HEADING = "## Prompts through Chat"
-# What each kernel setting sets: the run time's default (the library where it helps), the library held to its int8
-# AVX-512 paths (what a CPU with AVX-512 VNNI but no AMX gets from it), onnxruntime's own kernels.
+HEADING = per_machine_class("## Prompts through Chat")
+# What each kernel setting sets: the run time's default (the library where it helps), the library with the paths of a
+# CPU with AVX-512 VNNI but no AMX, the library held to its in-place int8 path for every row count, onnxruntime's own
+# kernels.
 KERNELS = {"library": {"BUILDER_PLUGIN_KERNELS": "1"},
+           "library-vnni": {"BUILDER_PLUGIN_KERNELS": "1", "BUILDER_PLUGIN_OPS_PATH": "vnni"},
            "library-avx512": {"BUILDER_PLUGIN_KERNELS": "1", "BUILDER_PLUGIN_OPS_PATH": "avx512"},
            "onnxruntime": {"BUILDER_PLUGIN_KERNELS": "0"}}
 IMAGE_SIZE = (448, 448)
@@ -116,7 +120,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for kernels in order:
                     results.setdefault(f"{prompt}|{kernels}", []).append(
                         _child(args.package, prompt, kernels, media, args))
-    return {"package": str(args.package), "rounds": args.rounds, "asks": args.asks, "new_tokens": args.new_tokens,
+    return {"package": str(args.package), "library_level": library_level(), "rounds": args.rounds, "asks": args.asks,
+            "new_tokens": args.new_tokens,
             "prompts": args.prompts, "results": results}
 
 
@@ -146,9 +151,10 @@ def report(results: dict[str, Any]) -> str:
         f"`{results['command']}` at {results['git']['commit'][:10]}: `{Path(results['package']).name}`, each "
         f"(prompt, kernel) in a fresh process, {results['rounds']} rounds taking turns, {results['asks']} questions "
         f"per process (each a new conversation), {results['new_tokens']} new tokens, greedy. library = the run time's "
-        "default (builder_plugin's kernels where this CPU has a fast path); library-avx512 = "
-        "BUILDER_PLUGIN_OPS_PATH=avx512 (its int8 paths for every row count and onnxruntime's attention: what a CPU "
-        "with AVX-512 VNNI but no AMX gets); onnxruntime = BUILDER_PLUGIN_KERNELS=0. Times best / median; decode and "
+        "default (builder_plugin's kernels where this CPU has a fast path); library-vnni = "
+        "BUILDER_PLUGIN_OPS_PATH=vnni (the paths of a CPU with AVX-512 VNNI but no AMX: int8 in place for few rows, "
+        "int8 panels for many, onnxruntime's attention); library-avx512 = BUILDER_PLUGIN_OPS_PATH=avx512 (the in-place "
+        "int8 path for every row count); onnxruntime = BUILDER_PLUGIN_KERNELS=0. Times best / median; decode and "
         "prefill tokens/s best / median.", "",
         markdown_table(["prompt", "kernel", "prompt tokens", "first token s, first question", "first token s, later",
                         "prefill tok/s", "decode tok/s", "RSS after load GB", "peak RSS GB", "load s",

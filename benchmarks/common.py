@@ -381,11 +381,26 @@ def publish(results: dict[str, Any], out: str | Path, doc: str, heading: str, bo
         replace_markdown_section(doc, heading, body)
 
 
-def measure_or_replay(args: Any, argv: Sequence[str] | None, script: str, heading: str,
+# The kernel library's level (builder_plugin.kernels.level()) -> the CPU class a per-class report section names.
+MACHINE_CLASSES = {"amx_bf16": "", "amx": "AMX int8", "avx512_vnni": "AVX-512 VNNI without AMX",
+                   "none": "without AVX-512 VNNI"}
+
+
+def per_machine_class(heading: str) -> Callable[[dict[str, Any]], str]:
+    """The section heading of results measured at `results["library_level"]`: `heading` itself for AMX bf16 (the class
+    these sections were first measured on), "`heading`, <class>" for the others, so each class keeps its own."""
+    def named(results: dict[str, Any]) -> str:
+        machine = MACHINE_CLASSES[results.get("library_level", "amx_bf16")]
+        return f"{heading}, {machine}" if machine else heading
+    return named
+
+
+def measure_or_replay(args: Any, argv: Sequence[str] | None, script: str,
+                      heading: str | Callable[[dict[str, Any]], str],
                       run: Callable[[Any], dict[str, Any]], report: Callable[[dict[str, Any]], str]) -> int:
     """The end of a benchmark's main with --out, --doc, --note and --from-json: publish an earlier results file (its
     note replaced when --note is given), or `run(args)` and publish what it measured with the command, the checkout
-    and the machine."""
+    and the machine. `heading`: the section, or what names it from the results (per_machine_class)."""
     if args.from_json:
         results = json.loads(Path(args.from_json).read_text(encoding="utf-8"))
         if args.note is not None:
@@ -394,5 +409,5 @@ def measure_or_replay(args: Any, argv: Sequence[str] | None, script: str, headin
         results = run(args)
         results.update(command=command_line(script, argv), git=git_state(), machine=machine_info(),
                        note=args.note or "")
-    publish(results, args.out, args.doc, heading, report(results))
+    publish(results, args.out, args.doc, heading if isinstance(heading, str) else heading(results), report(results))
     return 0

@@ -138,8 +138,8 @@ def test_forms_the_kernel_does_not_run_are_refused(tmp_path, capfd, monkeypatch)
 
 @pytest.mark.parametrize("forced", ["avx512", "panels", "vnni", "amx"])
 def test_a_forced_int8_path_leaves_attention_to_onnxruntime(tmp_path, monkeypatch, forced):
-    """BUILDER_PLUGIN_OPS_PATH=avx512|panels|vnni|amx stands for a CPU without AMX bf16: the library registers no attention, so
-    even a form it would refuse (a bias input) runs, and answers exactly as onnxruntime's own."""
+    """BUILDER_PLUGIN_OPS_PATH=avx512|panels|vnni|amx stands for a CPU without AMX bf16: the library registers no
+    attention, so even a form it would refuse (a bias input) runs, and answers exactly as onnxruntime's own."""
     path = write_graph(tmp_path / "g.onnx", 1, 2, 16, False, None, qkv_bias=True)
     rng = np.random.default_rng(1)
     feeds = {n: rng.standard_normal((1, 5, 32)).astype(np.float32) for n in "qkv"}

@@ -235,7 +235,8 @@ def test_the_trace_names_the_paths(tmp_path, capfd, monkeypatch):
 
 @pytest.mark.parametrize("forced", ["avx512", "panels", "vnni", "amx"])
 def test_a_forced_int8_path_leaves_attention_to_onnxruntime(tmp_path, monkeypatch, forced):
-    """BUILDER_PLUGIN_OPS_PATH=avx512|panels|vnni|amx stands for a CPU without AMX bf16: onnxruntime's own kernel, the same bits."""
+    """BUILDER_PLUGIN_OPS_PATH=avx512|panels|vnni|amx stands for a CPU without AMX bf16: onnxruntime's own kernel,
+    the same bits."""
     heads, kv_heads, head_dim = 4, 2, 64
     path = write_graph(tmp_path / "g.onnx", heads, kv_heads, head_dim)
     cos, sin = rope(head_dim)

@@ -31,6 +31,8 @@ bool request_amx_tiles() {
 Cpu detect() {
   Cpu found;
   unsigned a, b, c, d;
+  __cpuid(0, a, b, c, d);
+  found.one_stream = b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163;  // "AuthenticAMD"
   if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return found;  // OSXSAVE
   unsigned max_leaf = __get_cpuid_max(0, nullptr);
   if (max_leaf < 7) return found;

@@ -278,10 +278,14 @@ BP_AVX512 void tile(const Layout& lay, const Weights& w, const Activations& act,
 
 using TileFn = void (*)(const Layout&, const Weights&, const Activations&, int64_t, int64_t, float*, int64_t);
 
-// Up to four rows: one column at a time, so that each thread reads B as one sequential stream (several columns at a
-// time are as many streams 1.5-4 KB apart, which the prefetchers of an AMD Zen 4 follow badly: one row took 1.3-1.5x
-// onnxruntime's time there, one column 0.8x); more rows: two, the B chunk then serving twice the arithmetic.
-constexpr int columns_for(int rows) { return rows <= 4 ? 1 : 2; }
+// Few rows, on an AMD CPU: one column at a time, so that each thread reads B as one sequential stream (four columns at
+// a time are four streams 1.5-4 KB apart, which a Zen 4's prefetchers follow badly: one row took 1.3-1.5x
+// onnxruntime's time there, one column 0.8x). Elsewhere four columns (one load of a chunk's activations serves four;
+// measured on a Xeon: 76 % of the read bound). More rows: two, so that the accumulators stay in registers.
+int columns_for(int rows) {
+  if (rows > 4) return 2;
+  return cpu().one_stream ? 1 : 4;
+}
 
 template <int BITS, bool ZP, int NR>
 TileFn pick_rows(int rows) {
@@ -299,6 +303,7 @@ TileFn pick_rows(int rows) {
 
 template <int BITS, bool ZP>
 TileFn pick_columns(int rows, int columns) {
+  if (columns == 4) return pick_rows<BITS, ZP, 4>(rows);
   if (columns == 2) return pick_rows<BITS, ZP, 2>(rows);
   return pick_rows<BITS, ZP, 1>(rows);
 }

@@ -47,43 +47,44 @@ struct Kernel {
   int64_t many_from_rows = INT64_MAX;
 };
 
-// The path BUILDER_PLUGIN_OPS_PATH forces for every row count; kFloat when none is set or this CPU lacks it.
-Path forced_path() {
-  const bp::Cpu& cpu = bp::cpu();
-  const char* forced = std::getenv("BUILDER_PLUGIN_OPS_PATH");
-  return forced == nullptr                                 ? Path::kFloat
-         : std::strcmp(forced, "avx512") == 0               ? Path::kAvx512
-         : std::strcmp(forced, "panels") == 0               ? Path::kPanels
-         : std::strcmp(forced, "amx") == 0 && cpu.amx_int8  ? Path::kAmxInt8
-         : std::strcmp(forced, "bf16") == 0 && cpu.amx_bf16 ? Path::kAmxBf16
-                                                            : Path::kFloat;
-}
+// What BUILDER_PLUGIN_OPS_PATH asks for: one path for every row count (kFloat when none is set or this CPU lacks it),
+// and whether AMX stays unused (=vnni, or a forced path without AMX: a CPU without it, as benchmarks emulate one).
+struct Forced {
+  Path path = Path::kFloat;
+  bool without_amx = false;
+};
 
-// Whether AMX may run: the CPU has it and BUILDER_PLUGIN_OPS_PATH does not ask for a path without it.
-bool amx_allowed(bool granted) {
-  const char* forced = std::getenv("BUILDER_PLUGIN_OPS_PATH");
-  const Path path = forced_path();
-  return granted && (forced == nullptr || std::strcmp(forced, "vnni") != 0) &&
-         path != Path::kAvx512 && path != Path::kPanels;
+Forced forced_setting() {
+  const bp::Cpu& cpu = bp::cpu();
+  const char* value = std::getenv("BUILDER_PLUGIN_OPS_PATH");
+  Forced forced;
+  if (value == nullptr) return forced;
+  forced.path = std::strcmp(value, "avx512") == 0               ? Path::kAvx512
+                : std::strcmp(value, "panels") == 0               ? Path::kPanels
+                : std::strcmp(value, "amx") == 0 && cpu.amx_int8  ? Path::kAmxInt8
+                : std::strcmp(value, "bf16") == 0 && cpu.amx_bf16 ? Path::kAmxBf16
+                                                                  : Path::kFloat;
+  forced.without_amx = std::strcmp(value, "vnni") == 0 || forced.path == Path::kAvx512 || forced.path == Path::kPanels;
+  return forced;
 }
 
 void choose_paths(Kernel& kernel) {
   const bp::Cpu& cpu = bp::cpu();
   if (kernel.accuracy_level != 4 || (kernel.bits != 4 && kernel.bits != 8) || !cpu.avx512_vnni) return;
+  const Forced forced = forced_setting();
   kernel.few = kernel.many = Path::kAvx512;
-  if (amx_allowed(cpu.amx_bf16)) {
+  if (cpu.amx_bf16 && !forced.without_amx) {
     kernel.many = Path::kAmxBf16;
     kernel.many_from_rows = kBf16FromRows;
-  } else if (amx_allowed(cpu.amx_int8)) {
+  } else if (cpu.amx_int8 && !forced.without_amx) {
     kernel.many = Path::kAmxInt8;
     kernel.many_from_rows = kAmxFromRows;
   } else {
     kernel.many = Path::kPanels;
     kernel.many_from_rows = kPanelsFromRows;
   }
-  const Path path = forced_path();
-  if (path != Path::kFloat) {
-    kernel.few = kernel.many = path;
+  if (forced.path != Path::kFloat) {
+    kernel.few = kernel.many = forced.path;
     kernel.many_from_rows = INT64_MAX;
   }
 }
@@ -215,7 +216,8 @@ __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOp
   if (OrtStatus* status = api.CustomOpDomain_Add(domain, &kMatMulNBits)) return status;
   // the encoders' and the prompts' attention on AMX bf16 (elsewhere onnxruntime's own); a forced int8 path leaves them
   // out too (a CPU without AMX bf16, as benchmarks emulate it)
-  if (amx_allowed(bp::cpu().amx_bf16) && forced_path() != Path::kAmxInt8) {
+  const Forced forced = forced_setting();
+  if (bp::cpu().amx_bf16 && !forced.without_amx && forced.path != Path::kAmxInt8) {
     if (OrtStatus* status = api.CustomOpDomain_Add(domain, &multi_head_attention())) return status;
     if (OrtStatus* status = api.CustomOpDomain_Add(domain, &group_query_attention())) return status;
   }

@@ -36,9 +36,10 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.common import ROOT, add_report_options, fmt, markdown_table, measure_or_replay
+from benchmarks.common import ROOT, add_report_options, fmt, markdown_table, measure_or_replay, per_machine_class
+from builder_plugin.kernels import level as library_level
 
-HEADING = "## Prompt path quality"
+HEADING = per_machine_class("## Prompt path quality")
 MODES = ("text", "image", "audio", "image+audio")
 # name -> (package, environment): what each configuration changes
 CONFIGS = {
@@ -167,7 +168,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                  "decode_kl": decode, "top1": metrics.top1_agreement}
             comparisons[f"{name} vs {reference}"] = by_mode
     return {"fp32": str(args.fp32), "int4": str(args.int4), "new_tokens": args.new_tokens, "label": args.label,
-            "comparisons": comparisons}
+            "library_level": library_level(), "comparisons": comparisons}
 
 
 def report(results: dict[str, Any]) -> str:

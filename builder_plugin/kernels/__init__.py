@@ -1,6 +1,7 @@
 """The project's onnxruntime operator library: a CPU kernel for com.microsoft MatMulNBits (native/, built from source
 by `pip install`) that reads the package's int4/int8 weights in place with AVX-512 VNNI for a few rows (decode steps)
-and, on CPUs with AMX, runs many rows (prompts, encoders) on bf16 tiles.
+and runs many rows (prompts, encoders) on bf16 tiles where the CPU has AMX, on int8 panels where it does not; and the
+encoders' and the prompts' attention in bf16 (AMX tiles, or AVX-512 BF16).
 
 Registered on a session (onnxruntime's `SessionOptions.register_custom_ops_library`, genai_config's
 `session_options.custom_ops_library`), onnxruntime prefers it to its own kernel for every MatMulNBits of that
@@ -47,6 +48,18 @@ def paths() -> str:
     if path is None:
         return ""
     function = ctypes.CDLL(str(path)).BuilderPluginOpsPaths
+    function.restype = ctypes.c_char_p
+    return function().decode()
+
+
+def attention() -> str:
+    """Where the library runs the encoders' and the prompts' attention in this process (the CPU and
+    BUILDER_PLUGIN_OPS_PATH as they are now), as its trace names it: "bf16 AMX", "bf16 AVX-512" (a CPU with AVX-512
+    BF16 but no AMX), or "" (onnxruntime's own kernels; also without the library)."""
+    path = library_path()
+    if path is None:
+        return ""
+    function = ctypes.CDLL(str(path)).BuilderPluginAttentionPath
     function.restype = ctypes.c_char_p
     return function().decode()
 

@@ -1,7 +1,7 @@
-"""The library's MultiHeadAttention (the encoders' attention on AMX bf16 tiles) through onnxruntime, against a float64
-numpy reference within the bound bf16 operands allow, on the forms the builder's encoders use (SigLIP: a key padding
-mask; the conformer: that and a relative position bias); the forms it does not run are refused in one line. Where
-the CPU lacks AMX bf16 the library does not register it and onnxruntime's own kernel answers."""
+"""The library's MultiHeadAttention (the encoders' attention in bf16: AMX tiles, or AVX-512 BF16) through onnxruntime,
+against a float64 numpy reference within the bound bf16 operands allow, on the forms the builder's encoders use
+(SigLIP: a key padding mask; the conformer: that and a relative position bias); the forms it does not run are refused
+in one line. Where the CPU lacks bf16 the library does not register it and onnxruntime's own kernel answers."""
 
 from __future__ import annotations
 
@@ -11,7 +11,11 @@ import pytest
 
 from builder_plugin import kernels
 
-REGISTERED = kernels.level() == "amx_bf16"
+ATTENTION = kernels.attention()  # "bf16 AMX", "bf16 AVX-512" or "" (onnxruntime's kernel)
+REGISTERED = ATTENTION != ""
+# BUILDER_PLUGIN_OPS_PATH values that hold the library to int8 paths on this CPU (forcing a path it lacks leaves the
+# default)
+FORCED_INT8 = ["avx512", "panels"] + (["amx"] if kernels.level() in ("amx", "amx_bf16") else [])
 MASK_VALUE = -10000.0  # onnxruntime's default mask_filter_value
 
 
@@ -133,12 +137,12 @@ def test_forms_the_kernel_does_not_run_are_refused(tmp_path, capfd, monkeypatch)
     with pytest.raises(Exception, match="MultiHeadAttention mha: input 6 is not supported by the builder_plugin "
                                         "library's kernel"):
         run(path, feeds, library=True)
-    assert "MultiHeadAttention mha num_heads=2: bf16 AMX path" in capfd.readouterr().err
+    assert f"MultiHeadAttention mha num_heads=2: {ATTENTION} path" in capfd.readouterr().err
 
 
-@pytest.mark.parametrize("forced", ["avx512", "panels", "vnni", "amx"])
+@pytest.mark.parametrize("forced", FORCED_INT8)
 def test_a_forced_int8_path_leaves_attention_to_onnxruntime(tmp_path, monkeypatch, forced):
-    """BUILDER_PLUGIN_OPS_PATH=avx512|panels|vnni|amx stands for a CPU without AMX bf16: the library registers no
+    """BUILDER_PLUGIN_OPS_PATH=avx512|panels|amx stands for a CPU without bf16: the library registers no
     attention, so even a form it would refuse (a bias input) runs, and answers exactly as onnxruntime's own."""
     path = write_graph(tmp_path / "g.onnx", 1, 2, 16, False, None, qkv_bias=True)
     rng = np.random.default_rng(1)

@@ -1,9 +1,9 @@
-"""The library's GroupQueryAttention (a decoder prompt's attention on AMX bf16 tiles) through onnxruntime, as
-onnxruntime-genai runs it (past and present sharing one cache buffer): a first prompt and a follow-up prompt against a
-float64 numpy reference (rotary embedding, causal, several query heads per K/V head) within the bound bf16 operands
-allow, and the cache it writes against the same reference; every other form (a decode step, a few tokens, a cache
-not shared, the routing's mode record without rotary) answers exactly as onnxruntime's own kernel, which the library
-runs for them. Where the CPU lacks AMX bf16 the library does not register it."""
+"""The library's GroupQueryAttention (a decoder prompt's attention in bf16: AMX tiles, or AVX-512 BF16) through
+onnxruntime, as onnxruntime-genai runs it (past and present sharing one cache buffer): a first prompt and a follow-up
+prompt against a float64 numpy reference (rotary embedding, causal, several query heads per K/V head) within the bound
+bf16 operands allow, and the cache it writes against the same reference; every other form (a decode step, a few
+tokens, a cache not shared, the routing's mode record without rotary) answers exactly as onnxruntime's own kernel,
+which the library runs for them. Where the CPU lacks bf16 the library does not register it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,11 @@ import pytest
 
 from builder_plugin import kernels
 
-REGISTERED = kernels.level() == "amx_bf16"
+ATTENTION = kernels.attention()  # "bf16 AMX", "bf16 AVX-512" or "" (onnxruntime's kernel)
+REGISTERED = ATTENTION != ""
+# BUILDER_PLUGIN_OPS_PATH values that hold the library to int8 paths on this CPU (forcing a path it lacks leaves the
+# default)
+FORCED_INT8 = ["avx512", "panels"] + (["amx"] if kernels.level() in ("amx", "amx_bf16") else [])
 POSITIONS = 512
 
 
@@ -227,15 +231,15 @@ def test_the_trace_names_the_paths(tmp_path, capfd, monkeypatch):
     if not REGISTERED:
         assert "GroupQueryAttention" not in err
         return
-    assert ("GroupQueryAttention gqa num_heads=4 kv_num_heads=2: bf16 AMX path for prompts, onnxruntime's kernel "
+    assert (f"GroupQueryAttention gqa num_heads=4 kv_num_heads=2: {ATTENTION} path for prompts, onnxruntime's kernel "
             "for fewer than 16 tokens") in err
     assert "GroupQueryAttention gqa num_heads=4 kv_num_heads=4: onnxruntime's kernel" in err
-    assert "GroupQueryAttention gqa: a prompt of 20 new tokens on the bf16 AMX tiles" in err
+    assert f"GroupQueryAttention gqa: a prompt of 20 new tokens on the {ATTENTION} path" in err
 
 
-@pytest.mark.parametrize("forced", ["avx512", "panels", "vnni", "amx"])
+@pytest.mark.parametrize("forced", FORCED_INT8)
 def test_a_forced_int8_path_leaves_attention_to_onnxruntime(tmp_path, monkeypatch, forced):
-    """BUILDER_PLUGIN_OPS_PATH=avx512|panels|vnni|amx stands for a CPU without AMX bf16: onnxruntime's own kernel,
+    """BUILDER_PLUGIN_OPS_PATH=avx512|panels|amx stands for a CPU without bf16: onnxruntime's own kernel,
     the same bits."""
     heads, kv_heads, head_dim = 4, 2, 64
     path = write_graph(tmp_path / "g.onnx", heads, kv_heads, head_dim)

@@ -32,8 +32,9 @@ void packed_rows(Attention& a);
 
 constexpr int64_t kMaxAttentionHeadDim = 256;
 
-// On AMX bf16 tiles: Q (scaled), K, V and the probabilities rounded to bf16, scores, softmax and sums in float.
-// head_dim up to kMaxAttentionHeadDim. False without AMX bf16 (nothing is written then).
-bool attention_bf16_amx(const Attention& a, ParallelFor run, void* context);
+// Q (scaled), K, V and the probabilities rounded to bf16, scores, softmax and sums in float: on AMX bf16 tiles
+// (`tiles`), or on AVX-512 BF16 dot products. head_dim up to kMaxAttentionHeadDim. False where the CPU lacks the one
+// asked for (nothing is written then).
+bool attention_bf16(const Attention& a, bool tiles, ParallelFor run, void* context);
 
 }  // namespace bp

@@ -45,6 +45,7 @@ Cpu detect() {
   unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
   __cpuid_count(7, 1, a1, b1, c1, d1);
   const bool avx512_bf16 = a1 & (1u << 5);
+  found.avx512_bf16 = found.avx512_vnni && avx512_bf16;
   const bool tiles_saved = (saved & (3ull << 17)) == (3ull << 17);
   const bool tiles = found.avx512_vnni && amx_tile && tiles_saved && (amx_int8 || amx_bf16) && request_amx_tiles();
   found.amx_int8 = tiles && amx_int8;

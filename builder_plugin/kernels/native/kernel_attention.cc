@@ -1,5 +1,5 @@
-// Attention on AMX bf16 tiles (attention.h), one task per batch row and K/V head, its query heads one after the
-// other.
+// Attention on bf16 operands (attention.h): on AMX tiles, or without AMX on AVX-512 BF16 dot products (vdpbf16ps,
+// the same sums in another order). One task per batch row and K/V head, its query heads one after the other.
 //
 // Per task, K and V are converted once into the layout TDPBF16PS reads its second operand in (K: per 16 keys and 32
 // of head_dim a tile whose row j holds dims 2j, 2j + 1 of the 16 keys; V: per 16 dims and 32 keys a tile whose row j
@@ -85,6 +85,7 @@ struct Buffers {
 struct Job {
   const Attention* a;
   Shape shape;
+  bool tiles;  // AMX, else AVX-512 BF16
 };
 
 // 32 values of a row from `at` (`count` of them valid, the rest zeros), times `factor`, as bf16 pairs in 32-bit lanes.
@@ -138,7 +139,7 @@ BP_BF16 void value_tiles(const float* v, int64_t keys, int64_t stride, int64_t d
 
 // Float sums of first-operand tiles `a` (rows h, h + 1) and second-operand tiles `b` (columns g, g + 1) over
 // `steps`, stored to `out` (row stride `stride` floats) at [16 h][16 g]. The four tiles: 0-3 sums, 4-5 a, 6-7 b.
-BP_BF16 inline void pair_products(const uint16_t* a, const uint16_t* b, int64_t steps, float* out, int64_t stride) {
+BP_BF16 inline void tile_products(const uint16_t* a, const uint16_t* b, int64_t steps, float* out, int64_t stride) {
   _tile_zero(0);
   _tile_zero(1);
   _tile_zero(2);
@@ -157,6 +158,43 @@ BP_BF16 inline void pair_products(const uint16_t* a, const uint16_t* b, int64_t 
   _tile_stored(2, out + kGroup, stride * 4);
   _tile_stored(1, out + kGroup * stride, stride * 4);
   _tile_stored(3, out + kGroup * stride + kGroup, stride * 4);
+}
+
+// The same sums on AVX-512 BF16: per 8 rows of `a`, a row's 32-bit pair j broadcast against row j of each `b` tile
+// (16 columns x a pair of K), 8 rows x 32 columns of float sums in registers.
+BP_BF16 void vector_products(const uint16_t* a, const uint16_t* b, int64_t steps, float* out, int64_t stride) {
+  constexpr int kRows = 8;
+  for (int r0 = 0; r0 < 2 * kGroup; r0 += kRows) {
+    const uint16_t* rows = a + (r0 / kGroup) * kTileElements + (r0 % kGroup) * kStep;
+    __m512 sums[kRows][2];
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) sums[r][0] = sums[r][1] = _mm512_setzero_ps();
+    const uint16_t* x = rows;
+    const uint16_t* w = b;
+    for (int64_t s = 0; s < steps; ++s, x += kPairElements, w += kPairElements) {
+      for (int j = 0; j < kGroup; ++j) {
+        const __m512bh w0 = (__m512bh)_mm512_load_si512(w + j * kStep);
+        const __m512bh w1 = (__m512bh)_mm512_load_si512(w + kTileElements + j * kStep);
+#pragma GCC unroll 8
+        for (int r = 0; r < kRows; ++r) {
+          const __m512bh v = (__m512bh)_mm512_set1_epi32(reinterpret_cast<const int32_t*>(x + r * kStep)[j]);
+          sums[r][0] = _mm512_dpbf16_ps(sums[r][0], v, w0);
+          sums[r][1] = _mm512_dpbf16_ps(sums[r][1], v, w1);
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < kRows; ++r) {
+      _mm512_storeu_ps(out + (r0 + r) * stride, sums[r][0]);
+      _mm512_storeu_ps(out + (r0 + r) * stride + kGroup, sums[r][1]);
+    }
+  }
+}
+
+BP_BF16 inline void pair_products(bool tiles, const uint16_t* a, const uint16_t* b, int64_t steps, float* out,
+                                  int64_t stride) {
+  if (tiles) tile_products(a, b, steps, out, stride);
+  else vector_products(a, b, steps, out, stride);
 }
 
 // The softmax of one score row over its first `keys` keys, its bias and key mask added, into bf16 probabilities
@@ -198,7 +236,7 @@ BP_BF16 void softmax_row(const Attention& a, int64_t b, int64_t h, int64_t row, 
 }
 
 // One query head of batch row b over the K/V tiles already in `buffers`.
-BP_BF16 void run_head(const Attention& a, const Shape& s, Buffers& buffers, int64_t b, int64_t h) {
+BP_BF16 void run_head(const Attention& a, const Shape& s, bool tiles, Buffers& buffers, int64_t b, int64_t h) {
   const int64_t dim = a.head_dim, width = a.heads * dim;
   const float* q = a.q + b * a.q_len * a.q_row_stride + h * dim;
   row_tiles(q, a.q_len, a.q_row_stride, dim, s.dim_steps, a.scale, false, buffers.q);
@@ -211,7 +249,7 @@ BP_BF16 void run_head(const Attention& a, const Shape& s, Buffers& buffers, int6
     const int64_t key_pairs = (block_keys + kStep - 1) / kStep;
     const uint16_t* q_tiles = buffers.q + pair * s.dim_steps * kPairElements;
     for (int64_t keys = 0; keys < key_pairs; ++keys)
-      pair_products(q_tiles, buffers.k + keys * s.dim_steps * kPairElements, s.dim_steps,
+      pair_products(tiles, q_tiles, buffers.k + keys * s.dim_steps * kPairElements, s.dim_steps,
                     buffers.scores + keys * 2 * kGroup, s.padded_keys);
     for (int r = 0; r < 2 * kGroup; ++r) {
       const int64_t row = pair * 2 * kGroup + r;
@@ -225,7 +263,7 @@ BP_BF16 void run_head(const Attention& a, const Shape& s, Buffers& buffers, int6
       }
     }
     for (int64_t dims = 0; dims < s.dim_pairs; ++dims) {
-      pair_products(buffers.p, buffers.v + dims * s.key_pairs * kPairElements, key_pairs, sums, 2 * kGroup);
+      pair_products(tiles, buffers.p, buffers.v + dims * s.key_pairs * kPairElements, key_pairs, sums, 2 * kGroup);
       const __mmask16 first = first_lanes(dim - dims * 2 * kGroup), second = first_lanes(dim - dims * 2 * kGroup - 16);
       for (int r = 0; r < rows; ++r) {
         float* out = a.out + (b * a.q_len + pair * 2 * kGroup + r) * width + h * dim + dims * 2 * kGroup;
@@ -248,18 +286,18 @@ BP_BF16 void run_kv_head(void* data, size_t index) {
   const int64_t kv_at = b * a.kv_batch_stride + g * a.kv_head_stride;
   row_tiles(a.k + kv_at, a.kv_len, a.kv_row_stride, a.head_dim, s.dim_steps, 1.0f, true, buffers.k);
   value_tiles(a.v + kv_at, a.kv_len, a.kv_row_stride, a.head_dim, s, buffers.v);
-  _tile_loadconfig(&square_tiles());
-  for (int64_t h = g * group; h < (g + 1) * group; ++h) run_head(a, s, buffers, b, h);
-  _tile_release();
+  if (job.tiles) _tile_loadconfig(&square_tiles());
+  for (int64_t h = g * group; h < (g + 1) * group; ++h) run_head(a, s, job.tiles, buffers, b, h);
+  if (job.tiles) _tile_release();
 }
 
 }  // namespace
 
-bool attention_bf16_amx(const Attention& a, ParallelFor run, void* context) {
-  if (!cpu().amx_bf16 || a.head_dim > kMaxAttentionHeadDim || a.head_dim < 1 || a.kv_heads < 1 ||
+bool attention_bf16(const Attention& a, bool tiles, ParallelFor run, void* context) {
+  if (!(tiles ? cpu().amx_bf16 : cpu().avx512_bf16) || a.head_dim > kMaxAttentionHeadDim || a.head_dim < 1 || a.kv_heads < 1 ||
       a.heads % a.kv_heads)
     return false;
-  Job job{&a, {}};
+  Job job{&a, {}, tiles};
   job.shape.dim_steps = (a.head_dim + kStep - 1) / kStep;
   job.shape.dim_pairs = (a.head_dim + 2 * kGroup - 1) / (2 * kGroup);
   job.shape.key_pairs = (a.kv_len + kStep - 1) / kStep;
@@ -274,7 +312,7 @@ bool attention_bf16_amx(const Attention& a, ParallelFor run, void* context) {
 #else
 
 namespace bp {
-bool attention_bf16_amx(const Attention&, ParallelFor, void*) { return false; }
+bool attention_bf16(const Attention&, bool, ParallelFor, void*) { return false; }
 }  // namespace bp
 
 #endif

@@ -55,6 +55,7 @@ struct Cpu {
   bool avx512_vnni = false;  // AVX-512 F/BW/VL/DQ and VNNI, with the OS saving their registers
   bool amx_int8 = false;     // AMX tiles and int8, the OS saving them and granting this process their use
   bool amx_bf16 = false;     // AMX tiles and bf16 (and AVX-512 BF16 conversions), likewise
+  bool avx512_bf16 = false;  // AVX-512 VNNI and BF16 (conversions and dot products): the attention without AMX
   bool one_stream = false;   // an AMD CPU: the few-rows path reads B one column at a time (kernel_avx512.cc)
 };
 const Cpu& cpu();

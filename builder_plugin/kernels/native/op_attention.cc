@@ -28,6 +28,7 @@ struct Kernel {
   int64_t heads = 0;
   float scale = 0.0f, mask_value = -10000.0f;
   std::string name;
+  AttentionPath path = AttentionPath::kNone;  // as the session found it when it made the kernel
 };
 
 OrtStatus* refuse(const ort::Api& api, const Kernel* kernel, const std::string& what) {
@@ -52,9 +53,10 @@ OrtStatus* create(const OrtCustomOp*, const OrtApi* table, const OrtKernelInfo* 
     delete kernel;
     return refused;
   }
+  kernel->path = attention_path();
   if (trace())
-    std::fprintf(stderr, "%s: MultiHeadAttention %s num_heads=%lld: bf16 AMX path\n", kLibrary, kernel->name.c_str(),
-                 static_cast<long long>(kernel->heads));
+    std::fprintf(stderr, "%s: MultiHeadAttention %s num_heads=%lld: %s path\n", kLibrary, kernel->name.c_str(),
+                 static_cast<long long>(kernel->heads), attention_path_name(kernel->path));
   *out = kernel;
   return nullptr;
 }
@@ -114,7 +116,7 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* context) {
     return nullptr;
   }
   Context ctx{&api, context};
-  if (!attention_bf16_amx(a, parallel_for, &ctx)) return refuse(api, &kernel, "head_dim " + std::to_string(a.head_dim));
+  if (!attention_bf16(a, kernel.path == AttentionPath::kAmx, parallel_for, &ctx)) return refuse(api, &kernel, "head_dim " + std::to_string(a.head_dim));
   return nullptr;
 }
 

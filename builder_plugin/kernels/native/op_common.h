@@ -45,6 +45,14 @@ OrtCustomOp custom_op(const char* (*name)(const OrtCustomOp*), size_t (*inputs)(
                       OrtStatus* (*create)(const OrtCustomOp*, const OrtApi*, const OrtKernelInfo*, void**),
                       OrtStatus* (*compute)(void*, OrtKernelContext*), void (*destroy)(void*));
 
+// Where the attention kernels below run (ops.cc decides, from the CPU and BUILDER_PLUGIN_OPS_PATH as it is when a
+// session registers the library or makes a kernel): on AMX bf16 tiles, on AVX-512 BF16 dot products (a CPU without
+// AMX), or nowhere (onnxruntime's own kernels: no bf16, or a forced int8 path). Its name for the trace: "bf16 AMX",
+// "bf16 AVX-512" or "".
+enum class AttentionPath { kNone, kAvx512Bf16, kAmx };
+AttentionPath attention_path();
+const char* attention_path_name(AttentionPath path);
+
 // The com.microsoft MultiHeadAttention kernel of the encoders (op_attention.cc).
 const OrtCustomOp& multi_head_attention();
 // The com.microsoft GroupQueryAttention kernel of the decoders' prompts (op_group_query_attention.cc).

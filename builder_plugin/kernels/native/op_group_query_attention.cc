@@ -50,6 +50,7 @@ struct Kernel {
   size_t inputs = 0, outputs = 0;
   OrtOp* native = nullptr;  // onnxruntime's kernel for this node
   bool tiles = false;       // the node's attributes allow the prompt path
+  AttentionPath path = AttentionPath::kNone;  // where it runs, as the session found it when it made the kernel
   // BUILDER_PLUGIN_OPS_TRACE: a line at the first prompt on the tiles, and at the first one left to onnxruntime
   mutable std::atomic<bool> told_tiles{false}, told_native{false};
 };
@@ -116,14 +117,17 @@ OrtStatus* create(const OrtCustomOp*, const OrtApi* table, const OrtKernelInfo* 
     delete kernel;
     return status;
   }
-  kernel->tiles = kernel->heads > 0 && kernel->kv_heads > 0 && kernel->heads % kernel->kv_heads == 0 &&
+  kernel->path = attention_path();
+  kernel->tiles = kernel->path != AttentionPath::kNone && kernel->heads > 0 && kernel->kv_heads > 0 &&
+                  kernel->heads % kernel->kv_heads == 0 &&
                   kernel->do_rotary == 1 && kernel->interleaved == 0 && kernel->local_window < 0 &&
                   kernel->smooth_softmax == 0 && kernel->softcap == 0.0f;
   if (trace())
     std::fprintf(stderr, "%s: GroupQueryAttention %s num_heads=%lld kv_num_heads=%lld: %s\n", kLibrary,
                  kernel->name.c_str(), static_cast<long long>(kernel->heads),
                  static_cast<long long>(kernel->kv_heads),
-                 kernel->tiles ? "bf16 AMX path for prompts, onnxruntime's kernel for fewer than 16 tokens"
+                 kernel->tiles ? (std::string(attention_path_name(kernel->path)) +
+                                  " path for prompts, onnxruntime's kernel for fewer than 16 tokens").c_str()
                                : "onnxruntime's kernel");
   *out = kernel;
   return nullptr;
@@ -248,7 +252,8 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* context) {
     tell(kernel, kernel.told_native, new_tokens, "through onnxruntime's kernel");
     return native(outputs);
   }
-  tell(kernel, kernel.told_tiles, new_tokens, "on the bf16 AMX tiles");
+  tell(kernel, kernel.told_tiles, new_tokens, kernel.path == AttentionPath::kAmx ? "on the bf16 AMX path"
+                                                                                 : "on the bf16 AVX-512 path");
   Buffer rotated = aligned_buffer(static_cast<size_t>(tokens * kernel.heads * head_dim) * sizeof(float));
   Prompt prompt{static_cast<const float*>(input_data(api, context, kQuery)),
                 static_cast<const float*>(input_data(api, context, kCosCache)),
@@ -276,7 +281,7 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* context) {
   a.causal_past = prompt.past;
   a.scale = kernel.scale != 0.0f ? kernel.scale : 1.0f / std::sqrt(static_cast<float>(head_dim));
   a.out = static_cast<float*>(out);
-  if (!attention_bf16_amx(a, parallel_for, &ctx))
+  if (!attention_bf16(a, kernel.path == AttentionPath::kAmx, parallel_for, &ctx))
     return api.CreateStatus(ORT_FAIL, ("GroupQueryAttention " + kernel.name + ": head_dim " +
                                        std::to_string(head_dim) + " is past the library's tiles").c_str());
   return nullptr;

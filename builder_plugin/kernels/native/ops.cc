@@ -68,6 +68,22 @@ Forced forced_setting() {
   return forced;
 }
 
+}  // namespace
+
+AttentionPath bp::op::attention_path() {
+  const bp::Cpu& cpu = bp::cpu();
+  const Forced forced = forced_setting();
+  if (cpu.amx_bf16 && !forced.without_amx && (forced.path == Path::kFloat || forced.path == Path::kAmxBf16))
+    return AttentionPath::kAmx;
+  return cpu.avx512_bf16 && forced.path == Path::kFloat ? AttentionPath::kAvx512Bf16 : AttentionPath::kNone;
+}
+
+const char* bp::op::attention_path_name(AttentionPath path) {
+  return path == AttentionPath::kAmx ? "bf16 AMX" : path == AttentionPath::kAvx512Bf16 ? "bf16 AVX-512" : "";
+}
+
+namespace {
+
 void choose_paths(Kernel& kernel) {
   const bp::Cpu& cpu = bp::cpu();
   if (kernel.accuracy_level != 4 || (kernel.bits != 4 && kernel.bits != 8) || !cpu.avx512_vnni) return;
@@ -214,10 +230,8 @@ __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOp
     domains.push_back(domain);
   }
   if (OrtStatus* status = api.CustomOpDomain_Add(domain, &kMatMulNBits)) return status;
-  // the encoders' and the prompts' attention on AMX bf16 (elsewhere onnxruntime's own); a forced int8 path leaves them
-  // out too (a CPU without AMX bf16, as benchmarks emulate it)
-  const Forced forced = forced_setting();
-  if (bp::cpu().amx_bf16 && !forced.without_amx && forced.path != Path::kAmxInt8) {
+  // the encoders' and the prompts' attention in bf16 where the CPU has it (elsewhere onnxruntime's own)
+  if (attention_path() != AttentionPath::kNone) {
     if (OrtStatus* status = api.CustomOpDomain_Add(domain, &multi_head_attention())) return status;
     if (OrtStatus* status = api.CustomOpDomain_Add(domain, &group_query_attention())) return status;
   }
@@ -255,6 +269,12 @@ __attribute__((visibility("default"))) const char* BuilderPluginOpsCheckApi(cons
   }
   api.ReleaseOpAttr(attr);
   return "";
+}
+
+// Where the library runs the encoders' and the prompts' attention in this process, as the trace names it: "bf16 AMX",
+// "bf16 AVX-512", or "" (onnxruntime's own kernels).
+__attribute__((visibility("default"))) const char* BuilderPluginAttentionPath() {
+  return attention_path_name(attention_path());
 }
 
 // What the library would do on this CPU, for the Python side and the tests: 0 registers nothing, 1 the AVX-512 VNNI

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# onnxruntime's telemetry session id, torch's compile cache.
-FOREIGN_TEMP_PREFIXES = (".ses", "torchinductor_")
+# onnxruntime's telemetry session id, torch's compile cache, libpulse's runtime folder (espeak-ng makes one even when it
+# only writes a WAV file).
+FOREIGN_TEMP_PREFIXES = (".ses", "torchinductor_", "pulse-")
 
 
 def our_files(folder: Path) -> list[str]:

@@ -44,8 +44,8 @@ from builder_plugin.kernels import level as library_level
 
 HEADING = per_machine_class("## Prompts through Chat")
 # What each kernel setting sets: the run time's default (the library where it helps), the library with the paths of a
-# CPU with AVX-512 VNNI but no AMX, the library held to its in-place int8 path for every row count, onnxruntime's own
-# kernels.
+# CPU with AVX-512 VNNI and BF16 but no AMX, the library held to its in-place int8 path for every row count,
+# onnxruntime's own kernels.
 KERNELS = {"library": {"BUILDER_PLUGIN_KERNELS": "1"},
            "library-vnni": {"BUILDER_PLUGIN_KERNELS": "1", "BUILDER_PLUGIN_OPS_PATH": "vnni"},
            "library-avx512": {"BUILDER_PLUGIN_KERNELS": "1", "BUILDER_PLUGIN_OPS_PATH": "avx512"},
@@ -152,9 +152,10 @@ def report(results: dict[str, Any]) -> str:
         f"(prompt, kernel) in a fresh process, {results['rounds']} rounds taking turns, {results['asks']} questions "
         f"per process (each a new conversation), {results['new_tokens']} new tokens, greedy. library = the run time's "
         "default (builder_plugin's kernels where this CPU has a fast path); library-vnni = "
-        "BUILDER_PLUGIN_OPS_PATH=vnni (the paths of a CPU with AVX-512 VNNI but no AMX: int8 in place for few rows, "
-        "int8 panels for many, onnxruntime's attention); library-avx512 = BUILDER_PLUGIN_OPS_PATH=avx512 (the in-place "
-        "int8 path for every row count); onnxruntime = BUILDER_PLUGIN_KERNELS=0. Times best / median; decode and "
+        "BUILDER_PLUGIN_OPS_PATH=vnni (the paths of a CPU with AVX-512 VNNI and BF16 but no AMX: int8 in place for few "
+        "rows, int8 panels for many, the attention on AVX-512 BF16); library-avx512 = BUILDER_PLUGIN_OPS_PATH=avx512 "
+        "(the in-place int8 path for every row count, onnxruntime's attention); onnxruntime = "
+        "BUILDER_PLUGIN_KERNELS=0. Times best / median; decode and "
         "prefill tokens/s best / median.", "",
         markdown_table(["prompt", "kernel", "prompt tokens", "first token s, first question", "first token s, later",
                         "prefill tok/s", "decode tok/s", "RSS after load GB", "peak RSS GB", "load s",

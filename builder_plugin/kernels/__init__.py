@@ -44,22 +44,22 @@ def paths() -> str:
     """The paths the library's MatMulNBits takes in this process for the builder's CPU packages (4 or 8 bits,
     accuracy_level 4), as its trace names them: "int8 AVX-512 (up to 15 rows) / bf16 AMX" (few rows: decode steps;
     many: prompts); "" where it registers nothing or was not built."""
-    path = library_path()
-    if path is None:
-        return ""
-    function = ctypes.CDLL(str(path)).BuilderPluginOpsPaths
-    function.restype = ctypes.c_char_p
-    return function().decode()
+    return _library_text("BuilderPluginOpsPaths")
 
 
 def attention() -> str:
     """Where the library runs the encoders' and the prompts' attention in this process (the CPU and
     BUILDER_PLUGIN_OPS_PATH as they are now), as its trace names it: "bf16 AMX", "bf16 AVX-512" (a CPU with AVX-512
     BF16 but no AMX), or "" (onnxruntime's own kernels; also without the library)."""
+    return _library_text("BuilderPluginAttentionPath")
+
+
+def _library_text(symbol: str) -> str:
+    """What the library's function `symbol` (no arguments, a C string) answers; "" without the library."""
     path = library_path()
     if path is None:
         return ""
-    function = ctypes.CDLL(str(path)).BuilderPluginAttentionPath
+    function = getattr(ctypes.CDLL(str(path)), symbol)
     function.restype = ctypes.c_char_p
     return function().decode()
 

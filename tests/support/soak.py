@@ -141,10 +141,10 @@ def run_soak(package: str | Path, *, requests: int, concurrency: int, seed: int,
             log(f"serving {server.model_id} at {server.url} (pid {server.pid})")
             started = time.monotonic()
             run.drive(warmup, deadline, burst=min(traffic.burst, warmup))
-            run.sample()
+            run.sample(settled=True)
             run.drive(requests, deadline)
             report.duration_s = time.monotonic() - started
-            run.sample()
+            run.sample(settled=True)
         except Exception as exc:  # the server did not start, or died: reported, and the checks fail
             report.errors.append(f"{type(exc).__name__}: {exc}")
         finally:
@@ -190,11 +190,17 @@ class _Run:
         for thread in threads:
             thread.join()
 
-    def sample(self) -> None:
-        """The server's resident memory and thread count now (OSError when the process is gone)."""
+    def sample(self, settled: bool = False) -> None:
+        """The server's resident memory and thread count now (OSError when the process is gone). `settled`: the
+        fewest threads over the next second (after every answer is in, a thread that finishes its request's tail may
+        still be there for a moment; a leaked one stays)."""
         report = self.report
         report.rss_samples.append((report.completed, self.server.rss_bytes()))
-        report.thread_samples.append((report.completed, self.server.thread_count()))
+        threads = self.server.thread_count()
+        for _ in range(10 if settled else 0):
+            time.sleep(0.1)
+            threads = min(threads, self.server.thread_count())
+        report.thread_samples.append((report.completed, threads))
         self.log(f"{report.completed}/{report.requests} requests, server RSS {report.rss_samples[-1][1] / MiB:.1f} "
                  f"MiB, {report.thread_samples[-1][1]} threads")
 

@@ -294,8 +294,8 @@ BP_BF16 void run_kv_head(void* data, size_t index) {
 }  // namespace
 
 bool attention_bf16(const Attention& a, bool tiles, ParallelFor run, void* context) {
-  if (!(tiles ? cpu().amx_bf16 : cpu().avx512_bf16) || a.head_dim > kMaxAttentionHeadDim || a.head_dim < 1 || a.kv_heads < 1 ||
-      a.heads % a.kv_heads)
+  const bool cpu_has = tiles ? cpu().amx_bf16 : cpu().avx512_bf16;
+  if (!cpu_has || a.head_dim > kMaxAttentionHeadDim || a.head_dim < 1 || a.kv_heads < 1 || a.heads % a.kv_heads)
     return false;
   Job job{&a, {}, tiles};
   job.shape.dim_steps = (a.head_dim + kStep - 1) / kStep;

@@ -15,7 +15,6 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <cstring>
 
 #define BP_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,fma,avx2,bmi2")))
 
@@ -31,7 +30,7 @@ constexpr int kTileRows = 4;                            // rows of A per registe
 struct Plan {
   const Weights* w;
   float* y;
-  int64_t m, blocks, quads_per_block, quads, column_bytes, zero_point_columns;
+  int64_t m, blocks, quads_per_block, quads, column_bytes;
   QuantizedRows rows;  // codes in the panel's order of K
   Buffer terms;        // float [m][blocks]: activation scale x the block's sum of codes
   const float* row_terms(int64_t r) const { return static_cast<const float*>(terms.get()) + r * blocks; }
@@ -70,13 +69,6 @@ struct Panel {
   float* zero_terms;
 };
 
-BP_VNNI int zero_point(const Plan& p, int64_t col, int64_t b) {
-  const Weights& w = *p.w;
-  if (w.zero_points == nullptr) return 1 << (w.bits - 1);
-  const uint8_t* zp = w.zero_points + col * p.zero_point_columns;
-  return w.bits == 4 ? (zp[b >> 1] >> (4 * (b & 1))) & 0x0F : zp[b];
-}
-
 // Columns [col0, col0 + 48) unpacked; columns past N as zeros.
 template <int BITS>
 BP_VNNI void unpack(const Plan& p, int64_t col0, const Panel& panel) {
@@ -106,7 +98,7 @@ BP_VNNI void unpack(const Plan& p, int64_t col0, const Panel& panel) {
     for (int64_t b = 0; b < p.blocks; ++b) {
       const float scale = col < w.n ? w.scales[col * p.blocks + b] : 0.0f;
       panel.scales[b * kPanelColumns + j] = scale;
-      panel.zero_terms[b * kPanelColumns + j] = col < w.n ? scale * static_cast<float>(zero_point(p, col, b)) : 0.0f;
+      panel.zero_terms[b * kPanelColumns + j] = col < w.n ? scale * static_cast<float>(w.zero_point(col, b)) : 0.0f;
     }
   }
 }
@@ -117,7 +109,7 @@ BP_VNNI void tile(const Plan& p, const Panel& panel, int64_t col0, int64_t row0)
   __m512 f[R][kPanelVectors];
 #pragma GCC unroll 4
   for (int r = 0; r < R; ++r)
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
     for (int c = 0; c < kPanelVectors; ++c) f[r][c] = _mm512_setzero_ps();
   const int32_t* a[R];
   const float* sa[R];
@@ -132,14 +124,14 @@ BP_VNNI void tile(const Plan& p, const Panel& panel, int64_t col0, int64_t row0)
   int64_t quad = 0;
   for (int64_t b = 0; b < p.blocks; ++b) {
     __m512i acc[R][kPanelVectors];
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
     for (int r = 0; r < R; ++r)
-    #pragma GCC unroll 4
+#pragma GCC unroll 4
       for (int c = 0; c < kPanelVectors; ++c) acc[r][c] = _mm512_setzero_si512();
 #pragma GCC unroll 2
     for (int64_t q = 0; q < p.quads_per_block; ++q, ++quad, wq += kQuadBytes) {
       const __m512i w0 = _mm512_load_si512(wq), w1 = _mm512_load_si512(wq + 64), w2 = _mm512_load_si512(wq + 128);
-    #pragma GCC unroll 4
+#pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const __m512i x = _mm512_set1_epi32(a[r][quad]);
         acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], w0, x);
@@ -149,10 +141,10 @@ BP_VNNI void tile(const Plan& p, const Panel& panel, int64_t col0, int64_t row0)
     }
     const float* sw = panel.scales + b * kPanelColumns;
     const float* zt = panel.zero_terms + b * kPanelColumns;
-  #pragma GCC unroll 4
+#pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
       const __m512 s = _mm512_set1_ps(sa[r][b]), term = _mm512_set1_ps(t[r][b]);
-    #pragma GCC unroll 4
+#pragma GCC unroll 4
       for (int c = 0; c < kPanelVectors; ++c) {
         const __m512 scale = _mm512_mul_ps(s, _mm512_load_ps(sw + c * kVector));
         f[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), scale, f[r][c]);
@@ -168,8 +160,9 @@ BP_VNNI void tile(const Plan& p, const Panel& panel, int64_t col0, int64_t row0)
     if (valid == 0) break;
     const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
     const __m512 bias = w.bias ? _mm512_maskz_loadu_ps(mask, w.bias + col) : _mm512_setzero_ps();
-  #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(p.y + (row0 + r) * w.n + col, mask, _mm512_add_ps(f[r][c], bias));
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+      _mm512_mask_storeu_ps(p.y + (row0 + r) * w.n + col, mask, _mm512_add_ps(f[r][c], bias));
   }
 }
 
@@ -207,7 +200,6 @@ bool matmul_int8_panels(const Weights& w, const float* a, int64_t m, float* y, P
   p.m = m;
   p.blocks = w.blocks();
   p.column_bytes = w.column_bytes();
-  p.zero_point_columns = w.zero_point_columns();
   p.quads_per_block = w.block / 4;
   p.quads = p.blocks * p.quads_per_block;
   // whole blocks of A's codes (zeros past K), a multiple of 64 for arrange_rows

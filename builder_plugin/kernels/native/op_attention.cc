@@ -116,7 +116,8 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* context) {
     return nullptr;
   }
   Context ctx{&api, context};
-  if (!attention_bf16(a, kernel.path == AttentionPath::kAmx, parallel_for, &ctx)) return refuse(api, &kernel, "head_dim " + std::to_string(a.head_dim));
+  if (!attention_bf16(a, kernel.path == AttentionPath::kAmx, parallel_for, &ctx))
+    return refuse(api, &kernel, "head_dim " + std::to_string(a.head_dim));
   return nullptr;
 }
 

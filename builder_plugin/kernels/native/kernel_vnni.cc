@@ -1,13 +1,19 @@
 // The many-rows path (a prompt) on CPUs with AVX-512 VNNI but no AMX: a packed-panel int8 GEMM on vpdpbusd.
 //
 // A's rows are quantized per block of K as on the other int8 paths (quantize_rows). Each task unpacks a panel of B (48
-// columns x all of K) once into a buffer that stays in L2: per "quad" (4 rows of K), the 16 columns' 4 unsigned codes
-// side by side in one 64-byte vector, the operand vpdpbusd multiplies with 4 signed activation codes broadcast. With
-// 4 bits, a 32-bit word of a column holds 8 rows of K (low nibbles the even ones); its quads are the low nibbles, then
-// the high ones, and A's codes are put in that order (per 8 rows of K: 0 2 4 6 1 3 5 7). Every row of A then meets the
-// panel, 4 rows x 48 columns at a time. Per block of K the integer sums are exact; converted to float they take both
-// scales, and the zero point's share (zp x weight scale x activation scale x the block's sum of activation codes) is
-// taken off.
+// columns x all of K) once into a buffer that stays in L2: per "quad" (4 rows of K), the 16 columns' 4 codes side by
+// side in one 64-byte vector, which vpdpbusd multiplies with 4 activation codes broadcast. Every row of A then meets
+// the panel, 4 rows x 48 columns at a time. Per block of K the integer sums are exact; converted to float they take
+// both scales.
+//
+// 4 bits: a 32-bit word of a column holds 8 rows of K (low nibbles the even ones); its quads are the low nibbles, then
+// the high ones, and A's codes are put in that order (per 8 rows of K: 0 2 4 6 1 3 5 7). The panel holds the weights
+// less their zero point (signed, |w - zp| <= 15) and A's codes are offset by 128 (unsigned), so vpdpbusd sums
+// (a + 128)(w - zp); each block's sums start at -128 x the block's column sum of (w - zp), which leaves the exact
+// sum of a (w - zp): the zero point costs nothing per block.
+// 8 bits: w - zp does not fit a signed byte, so the panel holds the codes as they are (unsigned) against A's signed
+// codes, and per block the zero point's share (zp x weight scale x activation scale x the block's sum of activation
+// codes) is taken off in float.
 #include "matmul_nbits.h"
 #include "quantize.h"
 
@@ -31,65 +37,98 @@ struct Plan {
   const Weights* w;
   float* y;
   int64_t m, blocks, quads_per_block, quads, column_bytes;
-  QuantizedRows rows;  // codes in the panel's order of K
-  Buffer terms;        // float [m][blocks]: activation scale x the block's sum of codes
+  QuantizedRows rows;  // codes in the panel's order of K (4 bits: offset by 128)
+  Buffer terms;        // 8 bits: float [m][blocks], activation scale x the block's sum of codes
   const float* row_terms(int64_t r) const { return static_cast<const float*>(terms.get()) + r * blocks; }
 };
 
-// Per row: the codes in the panel's order (4 bits) and each block's activation scale x sum of codes.
+// Per row, 4 bits: the codes in the panel's order, offset by 128. 8 bits: each block's activation scale x sum of
+// codes.
 BP_VNNI void arrange_rows(Plan& p) {
-  const __m512i order = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15));
-  const __m512i ones = _mm512_set1_epi8(1);
   const int64_t block = p.w->block, padded = p.rows.padded;
+  if (p.w->bits == 4) {
+    const __m512i order = _mm512_broadcast_i32x4(_mm_setr_epi8(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15));
+    const __m512i offset = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int64_t r = 0; r < p.m; ++r) {
+      int8_t* codes = static_cast<int8_t*>(p.rows.codes.get()) + r * padded;
+      for (int64_t at = 0; at < padded; at += 64) {
+        const __m512i v = _mm512_shuffle_epi8(_mm512_load_si512(codes + at), order);
+        _mm512_store_si512(codes + at, _mm512_xor_si512(v, offset));
+      }
+    }
+    return;
+  }
+  const __m512i ones = _mm512_set1_epi8(1);
   p.terms = aligned_buffer(static_cast<size_t>(p.m * p.blocks * 4 + 64));
   auto* terms = static_cast<float*>(p.terms.get());
   alignas(64) int32_t sums[kVector];
   for (int64_t r = 0; r < p.m; ++r) {
-    int8_t* codes = static_cast<int8_t*>(p.rows.codes.get()) + r * padded;
+    const int8_t* codes = p.rows.row(r);
     float* row_terms = terms + r * p.blocks;
     std::fill(row_terms, row_terms + p.blocks, 0.0f);
     for (int64_t at = 0; at < padded; at += 64) {
-      __m512i v = _mm512_load_si512(codes + at);
-      _mm512_store_si512(sums, _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, v));
+      _mm512_store_si512(sums, _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, _mm512_load_si512(codes + at)));
       for (int lane = 0; lane < kVector; ++lane) {
         const int64_t b = (at + 4 * lane) / block;
         if (b < p.blocks) row_terms[b] += static_cast<float>(sums[lane]);
       }
-      if (p.w->bits == 4) _mm512_store_si512(codes + at, _mm512_shuffle_epi8(v, order));
     }
     const float* scales = p.rows.row_scales(r);
     for (int64_t b = 0; b < p.blocks; ++b) row_terms[b] *= scales[b];
   }
 }
 
-// A panel of B: codes [quads][3 vectors][64 bytes], then per block the 48 columns' weight scales and zp x scale.
+// A panel of B: codes [quads][3 vectors][64 bytes], then per block the 48 columns' weight scales and their zero point
+// term: 4 bits, int32 sums' start (-128 x the column sum of w - zp); 8 bits, float zp x scale.
 struct Panel {
   uint8_t* codes;
   float* scales;
-  float* zero_terms;
+  void* zero_terms;
+  const int32_t* starts() const { return static_cast<const int32_t*>(zero_terms); }
+  const float* zero_scales() const { return static_cast<const float*>(zero_terms); }
 };
+
+// The 16 columns from `first` (those past N as zeros): per block, each 32-bit lane's 4 bytes the column's zero point.
+BP_VNNI __m512i zero_points(const Weights& w, int64_t first, int64_t b) {
+  alignas(64) int32_t lanes[kVector];
+  for (int j = 0; j < kVector; ++j)
+    lanes[j] = first + j < w.n ? w.zero_point(first + j, b) * 0x01010101 : 0;
+  return _mm512_load_si512(lanes);
+}
 
 // Columns [col0, col0 + 48) unpacked; columns past N as zeros.
 template <int BITS>
 BP_VNNI void unpack(const Plan& p, int64_t col0, const Panel& panel) {
   const Weights& w = *p.w;
-  const int64_t words = p.column_bytes / 4;
+  const int64_t words_per_block = w.block * BITS / 32;
   const __m512i low = _mm512_set1_epi8(0x0F);
+  const __m512i ones = _mm512_set1_epi8(1);
   const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i offsets = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(p.column_bytes)));
   for (int v = 0; v < kPanelVectors; ++v) {
     const int64_t first = col0 + v * kVector;
     const int64_t valid = std::clamp<int64_t>(w.n - first, 0, kVector);
     const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
-    const __m512i offsets = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(p.column_bytes)));
     const uint8_t* base = w.packed + std::min(first, w.n - 1) * p.column_bytes;
     uint8_t* out = panel.codes + v * 64;
-    for (int64_t word = 0; word < words; ++word) {
-      const __m512i codes = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, offsets, base + word * 4, 1);
+    for (int64_t b = 0, word = 0; b < p.blocks; ++b) {
       if (BITS == 4) {
-        _mm512_store_si512(out + (2 * word) * kQuadBytes, _mm512_and_si512(codes, low));
-        _mm512_store_si512(out + (2 * word + 1) * kQuadBytes, _mm512_and_si512(_mm512_srli_epi16(codes, 4), low));
+        const __m512i zp = zero_points(w, first, b);
+        __m512i sum = _mm512_setzero_si512();
+        for (int64_t end = word + words_per_block; word < end; ++word) {
+          const __m512i codes = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, offsets, base + word * 4, 1);
+          const __m512i even = _mm512_sub_epi8(_mm512_and_si512(codes, low), zp);
+          const __m512i odd = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(codes, 4), low), zp);
+          _mm512_store_si512(out + (2 * word) * kQuadBytes, even);
+          _mm512_store_si512(out + (2 * word + 1) * kQuadBytes, odd);
+          sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum, ones, even), ones, odd);
+        }
+        _mm512_store_si512(static_cast<int32_t*>(panel.zero_terms) + b * kPanelColumns + v * kVector,
+                           _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7)));
       } else {
-        _mm512_store_si512(out + word * kQuadBytes, codes);
+        for (int64_t end = word + words_per_block; word < end; ++word)
+          _mm512_store_si512(out + word * kQuadBytes,
+                             _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, offsets, base + word * 4, 1));
       }
     }
   }
@@ -98,13 +137,15 @@ BP_VNNI void unpack(const Plan& p, int64_t col0, const Panel& panel) {
     for (int64_t b = 0; b < p.blocks; ++b) {
       const float scale = col < w.n ? w.scales[col * p.blocks + b] : 0.0f;
       panel.scales[b * kPanelColumns + j] = scale;
-      panel.zero_terms[b * kPanelColumns + j] = col < w.n ? scale * static_cast<float>(w.zero_point(col, b)) : 0.0f;
+      if (BITS == 8)
+        static_cast<float*>(panel.zero_terms)[b * kPanelColumns + j] =
+            col < w.n ? scale * static_cast<float>(w.zero_point(col, b)) : 0.0f;
     }
   }
 }
 
 // Rows [row0, row0 + R) x the panel's columns over all of K, into Y (with the bias).
-template <int R>
+template <int BITS, int R>
 BP_VNNI void tile(const Plan& p, const Panel& panel, int64_t col0, int64_t row0) {
   __m512 f[R][kPanelVectors];
 #pragma GCC unroll 4
@@ -118,37 +159,47 @@ BP_VNNI void tile(const Plan& p, const Panel& panel, int64_t col0, int64_t row0)
   for (int r = 0; r < R; ++r) {
     a[r] = reinterpret_cast<const int32_t*>(p.rows.row(row0 + r));
     sa[r] = p.rows.row_scales(row0 + r);
-    t[r] = p.row_terms(row0 + r);
+    t[r] = BITS == 8 ? p.row_terms(row0 + r) : nullptr;
   }
   const uint8_t* wq = panel.codes;
   int64_t quad = 0;
   for (int64_t b = 0; b < p.blocks; ++b) {
     __m512i acc[R][kPanelVectors];
 #pragma GCC unroll 4
-    for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kPanelVectors; ++c) {
+      const __m512i start =
+          BITS == 4 ? _mm512_load_si512(panel.starts() + b * kPanelColumns + c * kVector) : _mm512_setzero_si512();
 #pragma GCC unroll 4
-      for (int c = 0; c < kPanelVectors; ++c) acc[r][c] = _mm512_setzero_si512();
+      for (int r = 0; r < R; ++r) acc[r][c] = start;
+    }
 #pragma GCC unroll 2
     for (int64_t q = 0; q < p.quads_per_block; ++q, ++quad, wq += kQuadBytes) {
       const __m512i w0 = _mm512_load_si512(wq), w1 = _mm512_load_si512(wq + 64), w2 = _mm512_load_si512(wq + 128);
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
         const __m512i x = _mm512_set1_epi32(a[r][quad]);
-        acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], w0, x);
-        acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], w1, x);
-        acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], w2, x);
+        if (BITS == 4) {  // unsigned activations (offset by 128) x signed weights (less the zero point)
+          acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], x, w0);
+          acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], x, w1);
+          acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], x, w2);
+        } else {  // unsigned weights x signed activations
+          acc[r][0] = _mm512_dpbusd_epi32(acc[r][0], w0, x);
+          acc[r][1] = _mm512_dpbusd_epi32(acc[r][1], w1, x);
+          acc[r][2] = _mm512_dpbusd_epi32(acc[r][2], w2, x);
+        }
       }
     }
     const float* sw = panel.scales + b * kPanelColumns;
-    const float* zt = panel.zero_terms + b * kPanelColumns;
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const __m512 s = _mm512_set1_ps(sa[r][b]), term = _mm512_set1_ps(t[r][b]);
+      const __m512 s = _mm512_set1_ps(sa[r][b]);
 #pragma GCC unroll 4
       for (int c = 0; c < kPanelVectors; ++c) {
         const __m512 scale = _mm512_mul_ps(s, _mm512_load_ps(sw + c * kVector));
         f[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]), scale, f[r][c]);
-        f[r][c] = _mm512_fnmadd_ps(term, _mm512_load_ps(zt + c * kVector), f[r][c]);
+        if (BITS == 8)
+          f[r][c] = _mm512_fnmadd_ps(_mm512_set1_ps(t[r][b]),
+                                     _mm512_load_ps(panel.zero_scales() + b * kPanelColumns + c * kVector), f[r][c]);
       }
     }
   }
@@ -167,7 +218,8 @@ BP_VNNI void tile(const Plan& p, const Panel& panel, int64_t col0, int64_t row0)
 }
 
 using TileFn = void (*)(const Plan&, const Panel&, int64_t, int64_t);
-constexpr TileFn kTiles[kTileRows] = {tile<1>, tile<2>, tile<3>, tile<4>};
+template <int BITS>
+constexpr TileFn kTiles[kTileRows] = {tile<BITS, 1>, tile<BITS, 2>, tile<BITS, 3>, tile<BITS, 4>};
 
 // One task: a panel, unpacked once, against every row of A.
 BP_VNNI void run_task(void* data, size_t index) {
@@ -184,10 +236,11 @@ BP_VNNI void run_task(void* data, size_t index) {
   auto* bytes = static_cast<uint8_t*>(storage.get());
   const Panel panel{bytes, reinterpret_cast<float*>(bytes + code_bytes),
                     reinterpret_cast<float*>(bytes + code_bytes) + p.blocks * kPanelColumns};
+  const TileFn* tiles = p.w->bits == 4 ? kTiles<4> : kTiles<8>;
   if (p.w->bits == 4) unpack<4>(p, col0, panel);
   else unpack<8>(p, col0, panel);
   for (int64_t row = 0; row < p.m; row += kTileRows)
-    kTiles[std::min<int64_t>(kTileRows, p.m - row) - 1](p, panel, col0, row);
+    tiles[std::min<int64_t>(kTileRows, p.m - row) - 1](p, panel, col0, row);
 }
 
 }  // namespace

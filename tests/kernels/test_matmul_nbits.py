@@ -29,7 +29,7 @@ PATHS = {"avx512": "int8 AVX-512 path", "panels": "int8 AVX-512 panels path", "a
 INT8_PATHS = [path for path in PATHS if path != "amx" or kernels.level() in ("amx", "amx_bf16")]
 BF16 = kernels.level() == "amx_bf16"
 BF16_FROM_ROWS = 16  # ops.cc: kBf16FromRows
-PANELS_FROM_ROWS = 32  # ops.cc: kPanelsFromRows
+PANELS_FROM_ROWS = 20  # ops.cc: kPanelsFromRows
 WITHOUT_AMX = f"int8 AVX-512 (up to {PANELS_FROM_ROWS - 1} rows) / int8 AVX-512 panels path"
 # The paths a node takes by default on this CPU, as the trace names them ("" where the library registers nothing).
 DEFAULT_PATHS = {"none": "", "avx512_vnni": WITHOUT_AMX, "amx": "int8 AVX-512 (up to 11 rows) / int8 AMX path",
@@ -74,11 +74,12 @@ CASES = [(bits, block, zp) for bits in (4, 8) for block in BLOCK_SIZES for zp in
 
 
 @pytest.mark.parametrize(("bits", "block", "zero_points"), CASES)
-def test_integer_sums_are_exact(tmp_path, monkeypatch, capfd, int8_path, bits, block, zero_points):
+@pytest.mark.parametrize("blocks", [4, 37])  # 37: the panels unpack 16 blocks at a time, the last group odd
+def test_integer_sums_are_exact(tmp_path, monkeypatch, capfd, int8_path, bits, block, zero_points, blocks):
     """Activations on their int8 grid and scales powers of two: every product and sum is exact in float32, so the
     kernel's Y must equal the exact integer result bit for bit."""
-    rng = np.random.default_rng(bits * 1000 + block + zero_points)
-    k, n, m = 3 * block + block // 2 + 3, 37, 11
+    rng = np.random.default_rng(bits * 1000 + block + zero_points + blocks)
+    k, n, m = (blocks - 1) * block + block // 2 + 3, 37, 11
     column_scale = np.float32(2.0) ** rng.integers(-8, -2, size=(n, 1))
     b = random_b(rng, k, n, bits, block, zero_points, scales=np.repeat(column_scale, -(-k // block), axis=1))
     codes = rng.integers(-127, 128, size=(m, k))

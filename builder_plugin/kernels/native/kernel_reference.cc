@@ -17,15 +17,6 @@ int Weights::code(int64_t col, int64_t r) const {
   return static_cast<int>((word >> (bit % 8)) & ((1u << bits) - 1));
 }
 
-int Weights::zero_point(int64_t col, int64_t blk) const {
-  if (zero_points == nullptr) return 1 << (bits - 1);
-  const int64_t bit = blk * bits;
-  const uint8_t* base = zero_points + col * zero_point_columns();
-  uint32_t word = base[bit / 8];
-  if (bit % 8 + bits > 8) word |= static_cast<uint32_t>(base[bit / 8 + 1]) << 8;
-  return static_cast<int>((word >> (bit % 8)) & ((1u << bits) - 1));
-}
-
 namespace {
 
 struct ReferenceJob {

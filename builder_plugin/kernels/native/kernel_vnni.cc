@@ -88,58 +88,114 @@ struct Panel {
   const float* zero_scales() const { return static_cast<const float*>(zero_terms); }
 };
 
-// The 16 columns from `first` (those past N as zeros): per block, each 32-bit lane's 4 bytes the column's zero point.
-BP_VNNI __m512i zero_points(const Weights& w, int64_t first, int64_t b) {
-  alignas(64) int32_t lanes[kVector];
-  for (int j = 0; j < kVector; ++j)
-    lanes[j] = first + j < w.n ? w.zero_point(first + j, b) * 0x01010101 : 0;
-  return _mm512_load_si512(lanes);
+// out[i], lane j = r[j], lane i: a 16 x 16 transpose of 32-bit lanes.
+BP_VNNI void transpose(const __m512i r[kVector], __m512i out[kVector]) {
+  __m512i t[kVector], u[kVector];
+  for (int i = 0; i < kVector; i += 2) {  // per 128-bit lane: r_i[0] r_i+1[0] r_i[1] r_i+1[1]; then [2], [3]
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < kVector; g += 4) {  // u[g + d], 128-bit lane L: lane 4L + d of rows g .. g + 3
+    u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
+    u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
+    u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  for (int d = 0; d < 4; ++d) {  // 128-bit lane L of the four row groups: lane 4L + d of all 16 rows
+    const __m512i v0 = _mm512_shuffle_i32x4(u[d], u[4 + d], 0x88), v1 = _mm512_shuffle_i32x4(u[d], u[4 + d], 0xdd);
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + d], u[12 + d], 0x88);
+    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + d], u[12 + d], 0xdd);
+    out[d] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    out[4 + d] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    out[8 + d] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+    out[12 + d] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+  }
 }
 
-// Columns [col0, col0 + 48) unpacked; columns past N as zeros.
+inline __mmask16 first_lanes(int64_t count) {
+  return static_cast<__mmask16>(count >= kVector ? 0xFFFF : (1u << count) - 1);
+}
+
+// Sixteen 32-bit values of each of `valid` rows (row i at base + i x stride bytes; `count` of them, the rest zeros),
+// transposed: out[i], lane j = row j's value i. Rows from `valid` on are zeros. Loads and a transpose: a 16-lane
+// gather per value was most of the unpacking's time on Zen 4.
+BP_VNNI void load_transposed(const uint8_t* base, int64_t stride, int64_t valid, int64_t count,
+                             __m512i out[kVector]) {
+  const __mmask16 mask = first_lanes(count);
+  __m512i r[kVector];
+  for (int i = 0; i < kVector; ++i)
+    r[i] = i < valid ? _mm512_maskz_loadu_epi32(mask, base + i * stride) : _mm512_setzero_si512();
+  transpose(r, out);
+}
+
+// Column `col`'s zero points of blocks [b0, b0 + count) (count <= 16, b0 even), one per 32-bit lane, the rest zeros;
+// the codes as Weights::zero_point reads them (4 bits: block 2i the low nibble of byte i).
+BP_VNNI __m512i zero_point_lanes(const Weights& w, int64_t col, int64_t b0, int64_t count) {
+  if (w.zero_points == nullptr) return _mm512_maskz_set1_epi32(first_lanes(count), 1 << (w.bits - 1));
+  const uint8_t* row = w.zero_points + col * w.zero_point_columns();
+  __m128i bytes;
+  if (w.bits == 4) {
+    const __m128i packed = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << ((count + 1) / 2)) - 1), row + b0 / 2);
+    const __m128i low = _mm_set1_epi8(0x0F);
+    bytes = _mm_unpacklo_epi8(_mm_and_si128(packed, low), _mm_and_si128(_mm_srli_epi16(packed, 4), low));
+  } else {
+    bytes = _mm_maskz_loadu_epi8(first_lanes(count), row + b0);
+  }
+  return _mm512_maskz_mov_epi32(first_lanes(count), _mm512_cvtepu8_epi32(bytes));
+}
+
+// Columns [col0, col0 + 48) unpacked (columns past N as zeros), 16 at a time and 16 blocks at a time: codes (4
+// bits less the zero point, with each block's start; 8 bits as they are), weight scales, 8 bits' zp x scale.
 template <int BITS>
 BP_VNNI void unpack(const Plan& p, int64_t col0, const Panel& panel) {
   const Weights& w = *p.w;
-  const int64_t words_per_block = w.block * BITS / 32;
+  const int64_t words_per_block = w.block * BITS / 32, words = p.column_bytes / 4;
   const __m512i low = _mm512_set1_epi8(0x0F);
   const __m512i ones = _mm512_set1_epi8(1);
-  const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  const __m512i offsets = _mm512_mullo_epi32(lanes, _mm512_set1_epi32(static_cast<int32_t>(p.column_bytes)));
+  const __m512i replicate = _mm512_set1_epi32(0x01010101);
+  __m512i chunk[kVector], scales[kVector], zero_points[kVector], rows[kVector];
   for (int v = 0; v < kPanelVectors; ++v) {
     const int64_t first = col0 + v * kVector;
     const int64_t valid = std::clamp<int64_t>(w.n - first, 0, kVector);
-    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
-    const uint8_t* base = w.packed + std::min(first, w.n - 1) * p.column_bytes;
     uint8_t* out = panel.codes + v * 64;
-    for (int64_t b = 0, word = 0; b < p.blocks; ++b) {
-      if (BITS == 4) {
-        const __m512i zp = zero_points(w, first, b);
-        __m512i sum = _mm512_setzero_si512();
-        for (int64_t end = word + words_per_block; word < end; ++word) {
-          const __m512i codes = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, offsets, base + word * 4, 1);
-          const __m512i even = _mm512_sub_epi8(_mm512_and_si512(codes, low), zp);
-          const __m512i odd = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(codes, 4), low), zp);
-          _mm512_store_si512(out + (2 * word) * kQuadBytes, even);
-          _mm512_store_si512(out + (2 * word + 1) * kQuadBytes, odd);
-          sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum, ones, even), ones, odd);
+    int64_t word = 0;
+    for (int64_t b0 = 0; b0 < p.blocks; b0 += kVector) {
+      const int64_t count = std::min<int64_t>(p.blocks - b0, kVector);
+      load_transposed(reinterpret_cast<const uint8_t*>(w.scales + std::min(first, w.n - 1) * p.blocks + b0),
+                      p.blocks * 4, valid, count, scales);
+      for (int i = 0; i < kVector; ++i)
+        rows[i] = i < valid ? zero_point_lanes(w, first + i, b0, count) : _mm512_setzero_si512();
+      transpose(rows, zero_points);
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t b = b0 + i;
+        _mm512_store_si512(panel.scales + b * kPanelColumns + v * kVector, scales[i]);
+        if (BITS == 4) {
+          const __m512i zp = _mm512_mullo_epi32(zero_points[i], replicate);
+          __m512i sum = _mm512_setzero_si512();
+          for (int64_t end = word + words_per_block; word < end; ++word) {
+            if (word % kVector == 0)
+              load_transposed(w.packed + std::min(first, w.n - 1) * p.column_bytes + word * 4, p.column_bytes, valid,
+                              words - word, chunk);
+            const __m512i codes = chunk[word % kVector];
+            const __m512i even = _mm512_sub_epi8(_mm512_and_si512(codes, low), zp);
+            const __m512i odd = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(codes, 4), low), zp);
+            _mm512_store_si512(out + (2 * word) * kQuadBytes, even);
+            _mm512_store_si512(out + (2 * word + 1) * kQuadBytes, odd);
+            sum = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(sum, ones, even), ones, odd);
+          }
+          _mm512_store_si512(static_cast<int32_t*>(panel.zero_terms) + b * kPanelColumns + v * kVector,
+                             _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7)));
+        } else {
+          _mm512_store_ps(static_cast<float*>(panel.zero_terms) + b * kPanelColumns + v * kVector,
+                          _mm512_mul_ps(_mm512_castsi512_ps(scales[i]), _mm512_cvtepi32_ps(zero_points[i])));
+          for (int64_t end = word + words_per_block; word < end; ++word) {
+            if (word % kVector == 0)
+              load_transposed(w.packed + std::min(first, w.n - 1) * p.column_bytes + word * 4, p.column_bytes, valid,
+                              words - word, chunk);
+            _mm512_store_si512(out + word * kQuadBytes, chunk[word % kVector]);
+          }
         }
-        _mm512_store_si512(static_cast<int32_t*>(panel.zero_terms) + b * kPanelColumns + v * kVector,
-                           _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(sum, 7)));
-      } else {
-        for (int64_t end = word + words_per_block; word < end; ++word)
-          _mm512_store_si512(out + word * kQuadBytes,
-                             _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, offsets, base + word * 4, 1));
       }
-    }
-  }
-  for (int j = 0; j < kPanelColumns; ++j) {
-    const int64_t col = col0 + j;
-    for (int64_t b = 0; b < p.blocks; ++b) {
-      const float scale = col < w.n ? w.scales[col * p.blocks + b] : 0.0f;
-      panel.scales[b * kPanelColumns + j] = scale;
-      if (BITS == 8)
-        static_cast<float*>(panel.zero_terms)[b * kPanelColumns + j] =
-            col < w.n ? scale * static_cast<float>(w.zero_point(col, b)) : 0.0f;
     }
   }
 }

@@ -22,7 +22,15 @@ struct Weights {
   int64_t zero_point_columns() const { return (blocks() * bits + 7) / 8; }
   // the code of column n at row r and its zero point (what the reference path and the tests read)
   int code(int64_t n, int64_t r) const;
-  int zero_point(int64_t n, int64_t block_index) const;
+  // inline: the int8 panels read one per column and block at every call
+  int zero_point(int64_t col, int64_t blk) const {
+    if (zero_points == nullptr) return 1 << (bits - 1);
+    const int64_t bit = blk * bits;
+    const uint8_t* base = zero_points + col * zero_point_columns();
+    uint32_t word = base[bit / 8];
+    if (bit % 8 + bits > 8) word |= static_cast<uint32_t>(base[bit / 8 + 1]) << 8;
+    return static_cast<int>((word >> (bit % 8)) & ((1u << bits) - 1));
+  }
 };
 
 // Runs fn(data, i) for i in [0, total) on the session's intra-op threads (the caller's among them).

@@ -37,7 +37,7 @@ constexpr const char* kPathNames[] = {"float", "int8 AVX-512", "int8 AMX", "bf16
 // a CPU with AVX-512 VNNI but no AMX (what benchmarks emulate on one with it).
 constexpr int64_t kBf16FromRows = 16;
 constexpr int64_t kAmxFromRows = 12;
-constexpr int64_t kPanelsFromRows = 32;
+constexpr int64_t kPanelsFromRows = 20;
 
 struct Kernel {
   ort::Api api;

@@ -161,8 +161,11 @@ BP_BF16 inline void tile_products(const uint16_t* a, const uint16_t* b, int64_t 
 }
 
 // The same sums on AVX-512 BF16: per 8 rows of `a`, a row's 32-bit pair j broadcast against row j of each `b` tile
-// (16 columns x a pair of K), 8 rows x 32 columns of float sums in registers.
-BP_BF16 void vector_products(const uint16_t* a, const uint16_t* b, int64_t steps, float* out, int64_t stride) {
+// (16 columns x a pair of K), 8 rows x 32 columns (kBoth; else the first 16) of float sums in registers. The last
+// step's pairs from `last_pairs` on are padding (zeros in one operand) and skipped: SigLIP's 72-dim heads pad to 96.
+template <bool kBoth>
+BP_BF16 void vector_products(const uint16_t* a, const uint16_t* b, int64_t steps, int last_pairs, float* out,
+                             int64_t stride) {
   constexpr int kRows = 8;
   for (int r0 = 0; r0 < 2 * kGroup; r0 += kRows) {
     const uint16_t* rows = a + (r0 / kGroup) * kTileElements + (r0 % kGroup) * kStep;
@@ -172,14 +175,15 @@ BP_BF16 void vector_products(const uint16_t* a, const uint16_t* b, int64_t steps
     const uint16_t* x = rows;
     const uint16_t* w = b;
     for (int64_t s = 0; s < steps; ++s, x += kPairElements, w += kPairElements) {
-      for (int j = 0; j < kGroup; ++j) {
+      const int pairs = s + 1 < steps ? kGroup : last_pairs;
+      for (int j = 0; j < pairs; ++j) {
         const __m512bh w0 = (__m512bh)_mm512_load_si512(w + j * kStep);
-        const __m512bh w1 = (__m512bh)_mm512_load_si512(w + kTileElements + j * kStep);
+        const __m512bh w1 = kBoth ? (__m512bh)_mm512_load_si512(w + kTileElements + j * kStep) : w0;
 #pragma GCC unroll 8
         for (int r = 0; r < kRows; ++r) {
           const __m512bh v = (__m512bh)_mm512_set1_epi32(reinterpret_cast<const int32_t*>(x + r * kStep)[j]);
           sums[r][0] = _mm512_dpbf16_ps(sums[r][0], v, w0);
-          sums[r][1] = _mm512_dpbf16_ps(sums[r][1], v, w1);
+          if (kBoth) sums[r][1] = _mm512_dpbf16_ps(sums[r][1], v, w1);
         }
       }
     }
@@ -191,10 +195,13 @@ BP_BF16 void vector_products(const uint16_t* a, const uint16_t* b, int64_t steps
   }
 }
 
-BP_BF16 inline void pair_products(bool tiles, const uint16_t* a, const uint16_t* b, int64_t steps, float* out,
-                                  int64_t stride) {
-  if (tiles) tile_products(a, b, steps, out, stride);
-  else vector_products(a, b, steps, out, stride);
+// `depth`: the valid length of K (the rest of the last step is padding); `columns`: the output columns wanted (of 32).
+BP_BF16 inline void pair_products(bool tiles, const uint16_t* a, const uint16_t* b, int64_t steps, int64_t depth,
+                                  int64_t columns, float* out, int64_t stride) {
+  if (tiles) return tile_products(a, b, steps, out, stride);
+  const int last_pairs = static_cast<int>((depth - (steps - 1) * kStep + 1) / 2);
+  if (columns > kGroup) vector_products<true>(a, b, steps, last_pairs, out, stride);
+  else vector_products<false>(a, b, steps, last_pairs, out, stride);
 }
 
 // The softmax of one score row over its first `keys` keys, its bias and key mask added, into bf16 probabilities
@@ -249,7 +256,7 @@ BP_BF16 void run_head(const Attention& a, const Shape& s, bool tiles, Buffers& b
     const int64_t key_pairs = (block_keys + kStep - 1) / kStep;
     const uint16_t* q_tiles = buffers.q + pair * s.dim_steps * kPairElements;
     for (int64_t keys = 0; keys < key_pairs; ++keys)
-      pair_products(tiles, q_tiles, buffers.k + keys * s.dim_steps * kPairElements, s.dim_steps,
+      pair_products(tiles, q_tiles, buffers.k + keys * s.dim_steps * kPairElements, s.dim_steps, dim, 2 * kGroup,
                     buffers.scores + keys * 2 * kGroup, s.padded_keys);
     for (int r = 0; r < 2 * kGroup; ++r) {
       const int64_t row = pair * 2 * kGroup + r;
@@ -263,7 +270,8 @@ BP_BF16 void run_head(const Attention& a, const Shape& s, bool tiles, Buffers& b
       }
     }
     for (int64_t dims = 0; dims < s.dim_pairs; ++dims) {
-      pair_products(tiles, buffers.p, buffers.v + dims * s.key_pairs * kPairElements, key_pairs, sums, 2 * kGroup);
+      pair_products(tiles, buffers.p, buffers.v + dims * s.key_pairs * kPairElements, key_pairs, block_keys,
+                    dim - dims * 2 * kGroup, sums, 2 * kGroup);
       const __mmask16 first = first_lanes(dim - dims * 2 * kGroup), second = first_lanes(dim - dims * 2 * kGroup - 16);
       for (int r = 0; r < rows; ++r) {
         float* out = a.out + (b * a.q_len + pair * 2 * kGroup + r) * width + h * dim + dims * 2 * kGroup;

@@ -1,5 +1,5 @@
-// What the AMX bf16 paths share: their target attribute, a 16 x 16 transpose of 32-bit values and lane masks; and the
-// tile configuration they use (every tile 16 rows x 64 bytes), kept in static memory (see tiles.h).
+// What the bf16 paths share: their target attribute and the tile configuration they use (every tile 16 rows x 64
+// bytes), kept in static memory (see tiles.h); the transpose and lane masks of simd_util.h.
 #pragma once
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -8,41 +8,13 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "simd_util.h"
 #include "tiles.h"
 
 #define BP_BF16 \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,amx-tile,amx-bf16,fma,avx2,bmi2")))
 
 namespace bp {
-
-// 16 x 16 32-bit values: rows become columns.
-BP_BF16 inline void transpose16(__m512i r[16]) {
-  __m512i a[16];
-  for (int i = 0; i < 8; ++i) {
-    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // r[4i + c], lane L: column 4L + c of rows 4i..4i+3
-    r[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
-    r[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
-    r[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-    r[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512i x = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), y = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xdd);
-    const __m512i x2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
-    const __m512i y2 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xdd);
-    a[c] = _mm512_shuffle_i32x4(x, x2, 0x88);
-    a[8 + c] = _mm512_shuffle_i32x4(x, x2, 0xdd);
-    a[4 + c] = _mm512_shuffle_i32x4(y, y2, 0x88);
-    a[12 + c] = _mm512_shuffle_i32x4(y, y2, 0xdd);
-  }
-  for (int i = 0; i < 16; ++i) r[i] = a[i];
-}
-
-BP_BF16 inline __mmask16 first_lanes(int64_t count) {
-  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << std::max<int64_t>(count, 0)) - 1);
-}
 
 // Every tile 16 rows x 64 bytes; made once, loaded by each task.
 const TileConfig& square_tiles();

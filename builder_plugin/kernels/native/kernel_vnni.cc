@@ -16,6 +16,7 @@
 // codes) is taken off in float.
 #include "matmul_nbits.h"
 #include "quantize.h"
+#include "simd_util.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -88,44 +89,15 @@ struct Panel {
   const float* zero_scales() const { return static_cast<const float*>(zero_terms); }
 };
 
-// out[i], lane j = r[j], lane i: a 16 x 16 transpose of 32-bit lanes.
-BP_VNNI void transpose(const __m512i r[kVector], __m512i out[kVector]) {
-  __m512i t[kVector], u[kVector];
-  for (int i = 0; i < kVector; i += 2) {  // per 128-bit lane: r_i[0] r_i+1[0] r_i[1] r_i+1[1]; then [2], [3]
-    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  }
-  for (int g = 0; g < kVector; g += 4) {  // u[g + d], 128-bit lane L: lane 4L + d of rows g .. g + 3
-    u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]);
-    u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
-    u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]);
-    u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
-  }
-  for (int d = 0; d < 4; ++d) {  // 128-bit lane L of the four row groups: lane 4L + d of all 16 rows
-    const __m512i v0 = _mm512_shuffle_i32x4(u[d], u[4 + d], 0x88), v1 = _mm512_shuffle_i32x4(u[d], u[4 + d], 0xdd);
-    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + d], u[12 + d], 0x88);
-    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + d], u[12 + d], 0xdd);
-    out[d] = _mm512_shuffle_i32x4(v0, v2, 0x88);
-    out[4 + d] = _mm512_shuffle_i32x4(v1, v3, 0x88);
-    out[8 + d] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
-    out[12 + d] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
-  }
-}
-
-inline __mmask16 first_lanes(int64_t count) {
-  return static_cast<__mmask16>(count >= kVector ? 0xFFFF : (1u << count) - 1);
-}
-
 // Sixteen 32-bit values of each of `valid` rows (row i at base + i x stride bytes; `count` of them, the rest zeros),
 // transposed: out[i], lane j = row j's value i. Rows from `valid` on are zeros. Loads and a transpose: a 16-lane
 // gather per value was most of the unpacking's time on Zen 4.
 BP_VNNI void load_transposed(const uint8_t* base, int64_t stride, int64_t valid, int64_t count,
                              __m512i out[kVector]) {
   const __mmask16 mask = first_lanes(count);
-  __m512i r[kVector];
   for (int i = 0; i < kVector; ++i)
-    r[i] = i < valid ? _mm512_maskz_loadu_epi32(mask, base + i * stride) : _mm512_setzero_si512();
-  transpose(r, out);
+    out[i] = i < valid ? _mm512_maskz_loadu_epi32(mask, base + i * stride) : _mm512_setzero_si512();
+  transpose16(out);
 }
 
 // Column `col`'s zero points of blocks [b0, b0 + count) (count <= 16, b0 even), one per 32-bit lane, the rest zeros;
@@ -153,7 +125,7 @@ BP_VNNI void unpack(const Plan& p, int64_t col0, const Panel& panel) {
   const __m512i low = _mm512_set1_epi8(0x0F);
   const __m512i ones = _mm512_set1_epi8(1);
   const __m512i replicate = _mm512_set1_epi32(0x01010101);
-  __m512i chunk[kVector], scales[kVector], zero_points[kVector], rows[kVector];
+  __m512i chunk[kVector], scales[kVector], zero_points[kVector];
   for (int v = 0; v < kPanelVectors; ++v) {
     const int64_t first = col0 + v * kVector;
     const int64_t valid = std::clamp<int64_t>(w.n - first, 0, kVector);
@@ -164,8 +136,8 @@ BP_VNNI void unpack(const Plan& p, int64_t col0, const Panel& panel) {
       load_transposed(reinterpret_cast<const uint8_t*>(w.scales + std::min(first, w.n - 1) * p.blocks + b0),
                       p.blocks * 4, valid, count, scales);
       for (int i = 0; i < kVector; ++i)
-        rows[i] = i < valid ? zero_point_lanes(w, first + i, b0, count) : _mm512_setzero_si512();
-      transpose(rows, zero_points);
+        zero_points[i] = i < valid ? zero_point_lanes(w, first + i, b0, count) : _mm512_setzero_si512();
+      transpose16(zero_points);
       for (int64_t i = 0; i < count; ++i) {
         const int64_t b = b0 + i;
         _mm512_store_si512(panel.scales + b * kPanelColumns + v * kVector, scales[i]);

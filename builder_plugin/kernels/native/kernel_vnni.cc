@@ -107,7 +107,7 @@ BP_VNNI __m512i zero_point_lanes(const Weights& w, int64_t col, int64_t b0, int6
   const uint8_t* row = w.zero_points + col * w.zero_point_columns();
   __m128i bytes;
   if (w.bits == 4) {
-    const __m128i packed = _mm_maskz_loadu_epi8(static_cast<__mmask16>((1u << ((count + 1) / 2)) - 1), row + b0 / 2);
+    const __m128i packed = _mm_maskz_loadu_epi8(first_lanes((count + 1) / 2), row + b0 / 2);
     const __m128i low = _mm_set1_epi8(0x0F);
     bytes = _mm_unpacklo_epi8(_mm_and_si128(packed, low), _mm_and_si128(_mm_srli_epi16(packed, 4), low));
   } else {
@@ -129,6 +129,7 @@ BP_VNNI void unpack(const Plan& p, int64_t col0, const Panel& panel) {
   for (int v = 0; v < kPanelVectors; ++v) {
     const int64_t first = col0 + v * kVector;
     const int64_t valid = std::clamp<int64_t>(w.n - first, 0, kVector);
+    const uint8_t* column = w.packed + std::min(first, w.n - 1) * p.column_bytes;  // the first of the 16
     uint8_t* out = panel.codes + v * 64;
     int64_t word = 0;
     for (int64_t b0 = 0; b0 < p.blocks; b0 += kVector) {
@@ -145,9 +146,7 @@ BP_VNNI void unpack(const Plan& p, int64_t col0, const Panel& panel) {
           const __m512i zp = _mm512_mullo_epi32(zero_points[i], replicate);
           __m512i sum = _mm512_setzero_si512();
           for (int64_t end = word + words_per_block; word < end; ++word) {
-            if (word % kVector == 0)
-              load_transposed(w.packed + std::min(first, w.n - 1) * p.column_bytes + word * 4, p.column_bytes, valid,
-                              words - word, chunk);
+            if (word % kVector == 0) load_transposed(column + word * 4, p.column_bytes, valid, words - word, chunk);
             const __m512i codes = chunk[word % kVector];
             const __m512i even = _mm512_sub_epi8(_mm512_and_si512(codes, low), zp);
             const __m512i odd = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(codes, 4), low), zp);
@@ -161,9 +160,7 @@ BP_VNNI void unpack(const Plan& p, int64_t col0, const Panel& panel) {
           _mm512_store_ps(static_cast<float*>(panel.zero_terms) + b * kPanelColumns + v * kVector,
                           _mm512_mul_ps(_mm512_castsi512_ps(scales[i]), _mm512_cvtepi32_ps(zero_points[i])));
           for (int64_t end = word + words_per_block; word < end; ++word) {
-            if (word % kVector == 0)
-              load_transposed(w.packed + std::min(first, w.n - 1) * p.column_bytes + word * 4, p.column_bytes, valid,
-                              words - word, chunk);
+            if (word % kVector == 0) load_transposed(column + word * 4, p.column_bytes, valid, words - word, chunk);
             _mm512_store_si512(out + word * kQuadBytes, chunk[word % kVector]);
           }
         }
@@ -237,7 +234,7 @@ BP_VNNI void tile(const Plan& p, const Panel& panel, int64_t col0, int64_t row0)
     const int64_t col = col0 + c * kVector;
     const int64_t valid = std::clamp<int64_t>(w.n - col, 0, kVector);
     if (valid == 0) break;
-    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1);
+    const __mmask16 mask = first_lanes(valid);
     const __m512 bias = w.bias ? _mm512_maskz_loadu_ps(mask, w.bias + col) : _mm512_setzero_ps();
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r)

@@ -120,6 +120,25 @@ def test_random_weights_within_bounds(tmp_path, int8_path, bits, block, zero_poi
         np.testing.assert_array_equal(y, builtin)
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_drawn_shapes_against_the_int8_reference(tmp_path, int8_path, seed):
+    """Shapes drawn at random (a fixed seed each): any bit width, block size and zero-point form, K from one row to
+    40 blocks, N from 1 to 200 (panels of 48 partly or wholly past N), 1 to 70 rows, with or without a bias."""
+    rng = np.random.default_rng(1000 + seed)
+    bits, block = int(rng.choice([4, 8])), int(rng.choice(BLOCK_SIZES))
+    k, n, rows = int(rng.integers(1, 40 * block + 1)), int(rng.integers(1, 201)), int(rng.integers(1, 71))
+    b = random_b(rng, k, n, bits, block, bool(rng.integers(2)))
+    a = rng.standard_normal((rows, k)).astype(np.float32)
+    bias = rng.standard_normal(n).astype(np.float32) if rng.integers(2) else None
+    path = write_graph(tmp_path / "g.onnx", b, bias=bias)
+    y = run(path, a, library=True).astype(np.float64)
+    if ACTIVE:
+        exact = a.astype(np.float64) @ b.dequantized().T
+        assert np.abs(y - int8_reference(b, a, bias)).max() <= 1e-5 * (np.abs(exact).max() + 1)
+    else:
+        np.testing.assert_array_equal(y, run(path, a, library=False))
+
+
 def test_full_size_shape_against_onnxruntime(tmp_path, int8_path):
     """One decoder shape of the full-size model (gate_up's K with down's N), one row and four."""
     rng = np.random.default_rng(3)

@@ -1,12 +1,13 @@
 """Decode speed with the kernel library against onnxruntime's own kernels, in pairs: one process loads the package
-twice (`og_model(kernels=True)` and `og_model(kernels=False)`, each as Chat loads it), prefills the same text prompt
-into a generator of each, then decodes in blocks that take turns (the order swapped every round), so that the
-machine's memory bandwidth, which moves from minute to minute on a shared host, moves under both alike.
+twice (`og_model(kernels=True)` and `og_model(kernels=False)`, each as Chat loads it), prefills the same prompt into a
+generator of each, then decodes in blocks that take turns (the order swapped every round), so that the machine's
+memory bandwidth, which moves from minute to minute on a shared host, moves under both alike. Per mode: a text
+prompt (no LoRA), and a question about a generated 448x448 photo (the vision LoRA in every step).
 
-    python -m benchmarks.bench_decode_pairs PKG [--rounds 64] [--steps 4] [--prompt-tokens 512]
+    python -m benchmarks.bench_decode_pairs PKG [--modes text,image] [--rounds 64] [--steps 4] [--prompt-tokens 512]
     python -m benchmarks.bench_decode_pairs --from-json benchmarks/results/decode_pairs.json   # redo the report
 
-Reported: each kernel's tokens/s over the blocks (best / median), and the ratio library / onnxruntime of every
+Reported per mode: each kernel's tokens/s over the blocks (best / median), and the ratio library / onnxruntime of every
 round's two blocks: the median, its quartiles, and a 95 % interval of the median (bootstrap over the rounds,
 seeded), which is what "within 3 %" is read from. Greedy, min_length holding off the end of the answer,
 so every block decodes its full count. Results: benchmarks/results/decode_pairs.json and the "Decode in pairs"
@@ -19,15 +20,16 @@ import argparse
 import random
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from benchmarks.common import (
     add_report_options,
-    current_rss_bytes,
     fmt,
     machine_markdown,
+    make_media,
     markdown_table,
     measure_or_replay,
     per_machine_class,
@@ -36,7 +38,10 @@ from builder_plugin.kernels import level as library_level
 
 HEADING = per_machine_class("## Decode in pairs")
 BOOTSTRAP = 2000  # resamples of the rounds for the interval of the median ratio
+IMAGE_SIZE = (448, 448)  # the global view and one crop
 KERNELS = {"library": True, "onnxruntime": False}
+MODES = ("text", "image")
+IMAGE_PROMPT = "<|user|><|image_1|>Describe the picture in detail.<|end|><|assistant|>"
 STORY = ("The lighthouse keeper counted the ships that passed in the storm and wrote each name she could read into "
          "a small blue book, with the hour, the wind and the colour of the sea. ")
 
@@ -44,24 +49,32 @@ STORY = ("The lighthouse keeper counted the ships that passed in the storm and w
 class Decoding:
     """One kernel setting's model and generator, prefilled, decoding in timed blocks."""
 
-    def __init__(self, package: Path, kernels: bool, prompt_tokens: int, steps: int) -> None:
+    def __init__(self, package: Path, kernels: bool, mode: str, prompt_tokens: int, steps: int,
+                 photo: Path) -> None:
         import onnxruntime_genai as og
 
         from builder_plugin.runtime.package import og_model
 
         self.model = og_model(package, kernels=kernels)
-        tokenizer = og.Tokenizer(self.model)
-        ids = list(tokenizer.encode(STORY * (prompt_tokens // 8)))[:prompt_tokens - 8]
-        ids = list(tokenizer.encode("<|user|>\n")) + ids + list(tokenizer.encode("<|end|><|assistant|>"))
         params = og.GeneratorParams(self.model)
-        total = len(ids) + steps + 1
+        if mode == "image":  # the project's own generated PNG: no client bytes reach og's decoder
+            inputs = self.model.create_multimodal_processor()(IMAGE_PROMPT, images=og.Images.open(str(photo)))
+            self.prompt_tokens = int(inputs["input_ids"].as_numpy().shape[-1])
+        else:
+            tokenizer = og.Tokenizer(self.model)
+            ids = list(tokenizer.encode(STORY * (prompt_tokens // 8)))[:prompt_tokens - 8]
+            ids = list(tokenizer.encode("<|user|>\n")) + ids + list(tokenizer.encode("<|end|><|assistant|>"))
+            self.prompt_tokens = len(ids)
+        total = self.prompt_tokens + steps + 1
         params.set_search_options(max_length=total, min_length=total, do_sample=False)
         self.generator = og.Generator(self.model, params)
         started = time.perf_counter()
-        self.generator.append_tokens(ids)
+        if mode == "image":
+            self.generator.set_inputs(inputs)
+        else:
+            self.generator.append_tokens(ids)
         self.generator.generate_next_token()
         self.prefill_s = time.perf_counter() - started
-        self.prompt_tokens = len(ids)
 
     def block(self, steps: int) -> float:
         """Tokens per second over `steps` decode steps."""
@@ -71,15 +84,13 @@ class Decoding:
         return steps / (time.perf_counter() - started)
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def pairs(args: argparse.Namespace, mode: str, photo: Path) -> dict[str, Any]:
+    """One mode: both kernels' decodings, then the blocks in turn."""
     total_steps = (args.rounds + 1) * args.steps
     decodings = {}
-    rss = {}
     for name, kernels in KERNELS.items():
-        before = current_rss_bytes()
-        decodings[name] = Decoding(args.package, kernels, args.prompt_tokens, total_steps)
-        rss[name] = current_rss_bytes() - before
-        print(f"{name}: loaded and prefilled {decodings[name].prompt_tokens} tokens in "
+        decodings[name] = Decoding(args.package, kernels, mode, args.prompt_tokens, total_steps, photo)
+        print(f"{mode}, {name}: loaded and prefilled {decodings[name].prompt_tokens} tokens in "
               f"{decodings[name].prefill_s:.1f} s", file=sys.stderr, flush=True)
     for decoding in decodings.values():  # one untimed block each: first-step allocations
         decoding.block(args.steps)
@@ -88,38 +99,54 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         order = list(KERNELS) if round_index % 2 == 0 else list(KERNELS)[::-1]
         for name in order:
             blocks[name].append(decodings[name].block(args.steps))
-        print(f"round {round_index + 1}: " + ", ".join(f"{n} {blocks[n][-1]:.2f}" for n in KERNELS) + " tok/s",
-              file=sys.stderr, flush=True)
+        print(f"{mode}, round {round_index + 1}: " + ", ".join(f"{n} {blocks[n][-1]:.2f}" for n in KERNELS) +
+              " tok/s", file=sys.stderr, flush=True)
+    return {"prompt_tokens": decodings["library"].prompt_tokens, "tokens_per_s": blocks}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="bench-decode-pairs-") as folder:
+        photo = make_media(Path(folder), IMAGE_SIZE, 1.0) / "photo.png"
+        modes = {mode: pairs(args, mode, photo) for mode in args.modes}
     return {"package": str(args.package), "library_level": library_level(), "rounds": args.rounds,
-            "steps": args.steps, "prompt_tokens": decodings["library"].prompt_tokens, "tokens_per_s": blocks,
-            "rss_growth_bytes": rss}
+            "steps": args.steps, "modes": modes}
 
 
-def report(results: dict[str, Any]) -> str:
-    blocks = results["tokens_per_s"]
+def _ratios(blocks: dict[str, list[float]]) -> str:
+    """The per-round ratio library / onnxruntime: median, bootstrap interval of the median, quartiles, range."""
     ratios = [lib / ort for lib, ort in zip(blocks["library"], blocks["onnxruntime"])]
     low, median, high = statistics.quantiles(ratios, n=4)
     draw = random.Random(0)
     medians = sorted(statistics.median(draw.choices(ratios, k=len(ratios))) for _ in range(BOOTSTRAP))
     interval = (medians[int(0.025 * BOOTSTRAP)], medians[int(0.975 * BOOTSTRAP) - 1])
-    rows = [[name, f"{fmt(max(values), 2)} / {fmt(statistics.median(values), 2)}",
-             f"{fmt(min(values), 2)}-{fmt(max(values), 2)}"] for name, values in blocks.items()]
+    return (f"median **{median:.3f}**, 95 % interval of the median {interval[0]:.3f}-{interval[1]:.3f} (bootstrap "
+            f"over the rounds); quartiles {low:.3f}-{high:.3f}, range {min(ratios):.3f}-{max(ratios):.3f}")
+
+
+def report(results: dict[str, Any]) -> str:
+    rows = []
+    for mode, found in results["modes"].items():
+        for name, values in found["tokens_per_s"].items():
+            rows.append([mode, found["prompt_tokens"], name,
+                         f"{fmt(max(values), 2)} / {fmt(statistics.median(values), 2)}",
+                         f"{fmt(min(values), 2)}-{fmt(max(values), 2)}"])
     return "\n".join([
         *([results["note"], ""] if results.get("note") else []),
         f"`{results['command']}` at {results['git']['commit'][:10]}: `{Path(results['package']).name}` loaded twice "
-        f"in one process (the kernel library; onnxruntime's own kernels), a {results['prompt_tokens']}-token text "
-        f"prompt prefilled into each, then {results['rounds']} rounds of {results['steps']} greedy decode steps per "
-        "kernel, taking turns (the order swapped every round).", "",
-        markdown_table(["kernels", "decode tok/s, best / median", "range"], rows), "",
-        f"Library / onnxruntime, per round: median **{median:.3f}**, 95 % interval of the median "
-        f"{interval[0]:.3f}-{interval[1]:.3f} (bootstrap over the rounds); quartiles {low:.3f}-{high:.3f}, range "
-        f"{min(ratios):.3f}-{max(ratios):.3f}.", "",
+        "in one process (the kernel library; onnxruntime's own kernels), per mode the same prompt prefilled into "
+        f"each (text: the story; image: a 448x448 photo and a question), then {results['rounds']} rounds of "
+        f"{results['steps']} greedy decode steps per kernel, taking turns (the order swapped every round).", "",
+        markdown_table(["mode", "prompt tokens", "kernels", "decode tok/s, best / median", "range"], rows), "",
+        *(f"Library / onnxruntime per round, {mode}: {_ratios(found['tokens_per_s'])}.\n"
+          for mode, found in results["modes"].items()),
         machine_markdown(results["machine"]), ""])
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("package", nargs="?", type=Path)
+    parser.add_argument("--modes", type=lambda v: [m for m in v.split(",") if m], default=list(MODES),
+                        help=f"from: {', '.join(MODES)}")
     parser.add_argument("--rounds", type=int, default=64)
     parser.add_argument("--steps", type=int, default=4,
                         help="decode steps per block (short blocks: both of a pair see the same bandwidth)")
@@ -130,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give the package folder (or --from-json)")
     if args.rounds < 2:
         parser.error("--rounds must be at least 2")
+    unknown = [m for m in args.modes if m not in MODES]
+    if unknown:
+        parser.error(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
     return measure_or_replay(args, argv, "bench_decode_pairs.py", HEADING, run, report)
 
 

@@ -32,6 +32,7 @@ from benchmarks.common import (
     make_media,
     markdown_table,
     measure_or_replay,
+    names_from,
     per_machine_class,
 )
 from builder_plugin.kernels import level as library_level
@@ -145,7 +146,7 @@ def report(results: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("package", nargs="?", type=Path)
-    parser.add_argument("--modes", type=lambda v: [m for m in v.split(",") if m], default=list(MODES),
+    parser.add_argument("--modes", type=names_from(MODES, "mode"), default=list(MODES),
                         help=f"from: {', '.join(MODES)}")
     parser.add_argument("--rounds", type=int, default=64)
     parser.add_argument("--steps", type=int, default=4,
@@ -157,9 +158,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give the package folder (or --from-json)")
     if args.rounds < 2:
         parser.error("--rounds must be at least 2")
-    unknown = [m for m in args.modes if m not in MODES]
-    if unknown:
-        parser.error(f"unknown mode(s) {', '.join(unknown)}; choose from {', '.join(MODES)}")
     return measure_or_replay(args, argv, "bench_decode_pairs.py", HEADING, run, report)
 
 

@@ -37,6 +37,7 @@ from benchmarks.common import (
     make_media,
     markdown_table,
     measure_or_replay,
+    names_from,
     peak_rss_bytes,
     per_machine_class,
 )
@@ -169,8 +170,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--asks", type=int, default=2, help="questions per process (the first pays warm-up)")
     parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--prompts", type=lambda s: [p for p in s.split(",") if p], default=list(PROMPTS))
-    parser.add_argument("--kernels", type=lambda s: [k.strip() for k in s.split(",") if k.strip()],
+    parser.add_argument("--prompts", type=names_from(list(PROMPTS), "prompt"), default=list(PROMPTS))
+    parser.add_argument("--kernels", type=names_from(list(KERNELS), "kernel setting"),
                         default=["library", "onnxruntime"], help=f"from: {', '.join(KERNELS)}")
     add_report_options(parser, "prompt.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -181,12 +182,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.from_json and args.package is None:
         parser.error("give the package folder (or --from-json)")
-    unknown = [p for p in args.prompts if p not in PROMPTS]
-    if unknown:
-        parser.error(f"unknown prompt(s) {', '.join(unknown)}; choose from {', '.join(PROMPTS)}")
-    unknown = [k for k in args.kernels if k not in KERNELS]
-    if unknown:
-        parser.error(f"unknown kernel setting(s) {', '.join(unknown)}; choose from {', '.join(KERNELS)}")
     return measure_or_replay(args, argv, "bench_prompt.py", HEADING, run, report)
 
 

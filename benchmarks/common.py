@@ -353,6 +353,19 @@ def git_state(*paths: str) -> dict[str, Any]:
             "modified_files": git("status", "--porcelain", *(("--", *paths) if paths else ())).splitlines()}
 
 
+def names_from(choices: Sequence[str], what: str) -> Callable[[str], list[str]]:
+    """An argparse type: a comma-separated list of names, each one of `choices` (else the option's error names the
+    unknown ones and the choices); `what` names one item, e.g. "mode"."""
+    def parse(value: str) -> list[str]:
+        names = [name.strip() for name in value.split(",") if name.strip()]
+        unknown = [name for name in names if name not in choices]
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {what}(s) {', '.join(unknown)}; "
+                                             f"choose from {', '.join(choices)}")
+        return names
+    return parse
+
+
 def command_line(script: str, argv: Sequence[str] | None) -> str:
     """The command that ran a benchmark, as the reports quote it."""
     return f"python -m benchmarks.{script.removesuffix('.py')} " + shlex.join(sys.argv[1:] if argv is None else argv)

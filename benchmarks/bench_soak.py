@@ -97,7 +97,9 @@ def section(results: dict[str, Any]) -> str:
             "interleaved between the clients (tests/support/soak.py). Every answer is compared with an "
             "independent `Chat` on the same package (greedy). The first requests, one per client sent at the same "
             "moment, are the longest prompt of the run. Server RSS and threads: after the first 50 requests and at "
-            "the end, both with no request out; the check is growth <= 5 % and no more threads. Exit = the server's "
+            "the end, both with no request out and the server's worker-thread pool brought to its floor (10.5 s "
+            "idle, then one plain question: anyio ends idle workers only when it dispatches a call); the check is "
+            "growth <= 5 % and no more threads. Exit = the server's "
             "status on SIGTERM; files left = in its temporary folder (TMPDIR) after it stopped. The load average (2 "
             "cores) is the machine's at the end.\n\n" + table)
 

@@ -15,6 +15,12 @@ traceback in the server's log); every answer (text, finish reason, token counts)
 conversation, its questions asked in order after clear(); the server's resident memory at the end no more than
 `rss_tolerance` above the sample taken after the first `warmup` requests, and its thread count not above that
 sample's; exit status 0 on SIGTERM; nothing left in its temporary folder (TMPDIR) after it stopped.
+
+Both checked thread samples count an idle server whose worker-thread pool is at its floor. Starlette runs blocking
+calls on anyio's worker threads, made on demand; an idle one is ended only when a later call is dispatched after it
+has been idle POOL_IDLE_S. So an idle server keeps its pool's high-water mark, which depends on how many requests
+overlapped so far, not on a leak. Before each of these samples the soak waits that long with nothing out and sends
+one plain question (not counted among the requests, its answer not checked): anyio then ends every expired worker.
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import httpx
+
 from tests.support.server_process import ServerProcess
 from tests.support.soak_client import SoakClient
 from tests.support.soak_traffic import Answer, Question, Step, Traffic, soak_media
@@ -40,6 +48,8 @@ if TYPE_CHECKING:
 SAMPLE_EVERY = 50  # requests between the samples taken under load after the first one (reported, not checked)
 STOP_TIMEOUT_S = 60
 BURST_TIMEOUT_S = 30  # the first requests of the clients wait this long for each other
+# anyio ends a worker thread idle this long at its next dispatch (WorkerThread.MAX_IDLE_TIME, 10 s), plus a margin
+POOL_IDLE_S = 10.5
 MiB = 1 << 20
 
 
@@ -191,10 +201,13 @@ class _Run:
             thread.join()
 
     def sample(self, settled: bool = False) -> None:
-        """The server's resident memory and thread count now (OSError when the process is gone). `settled`: the
-        fewest threads over the next second (after every answer is in, a thread that finishes its request's tail may
-        still be there for a moment; a leaked one stays)."""
+        """The server's resident memory and thread count now (OSError when the process is gone). `settled`: with no
+        request out, the worker-thread pool brought to its floor first (see the module's docstring), then the
+        fewest threads over the next second (a thread that finishes its request's tail may still be there for a
+        moment; a leaked one stays)."""
         report = self.report
+        if settled:
+            self._prune_pool()
         report.rss_samples.append((report.completed, self.server.rss_bytes()))
         threads = self.server.thread_count()
         for _ in range(10 if settled else 0):
@@ -203,6 +216,15 @@ class _Run:
         report.thread_samples.append((report.completed, threads))
         self.log(f"{report.completed}/{report.requests} requests, server RSS {report.rss_samples[-1][1] / MiB:.1f} "
                  f"MiB, {report.thread_samples[-1][1]} threads")
+
+    def _prune_pool(self) -> None:
+        """Wait until every idle worker thread has expired, then send one plain question, whose dispatch ends them."""
+        time.sleep(POOL_IDLE_S)
+        with httpx.Client(timeout=STOP_TIMEOUT_S) as client:
+            reply = client.post(f"{self.server.url}/chat/completions", json={
+                "model": self.server.model_id, "max_tokens": 1,
+                "messages": [{"role": "user", "content": "Say hello."}]})
+        reply.raise_for_status()
 
     def _client(self, until: int, deadline: float, together: threading.Barrier | None) -> None:
         client = SoakClient(self.server.url, self.server.model_id, self.report.max_tokens)

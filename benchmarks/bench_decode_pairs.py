@@ -2,12 +2,14 @@
 twice (`og_model(kernels=True)` and `og_model(kernels=False)`, each as Chat loads it), prefills the same prompt into a
 generator of each, then decodes in blocks that take turns (the order swapped every round), so that the machine's
 memory bandwidth, which moves from minute to minute on a shared host, moves under both alike. Per mode: a text
-prompt (no LoRA), and a question about a generated 448x448 photo (the vision LoRA in every step).
+prompt (no LoRA), and a question about a generated 448x448 photo (the vision LoRA in every step). `--against copy`
+(or `huge-pages`) pairs the library as it loads by default with itself reading a copy of its weights
+(BUILDER_PLUGIN_OPS_WEIGHTS) instead of with onnxruntime's kernels.
 
     python -m benchmarks.bench_decode_pairs PKG [--modes text,image] [--rounds 64] [--steps 4] [--prompt-tokens 512]
     python -m benchmarks.bench_decode_pairs --from-json benchmarks/results/decode_pairs.json   # redo the report
 
-Reported per mode: each kernel's tokens/s over the blocks (best / median), and the ratio library / onnxruntime of every
+Reported per mode: each setting's tokens/s over the blocks (best / median), and the ratio library / the other of every
 round's two blocks: the median, its quartiles, and a 95 % interval of the median (bootstrap over the rounds,
 seeded), which is what "within 3 %" is read from. Greedy, min_length holding off the end of the answer,
 so every block decodes its full count. Results: benchmarks/results/decode_pairs.json and the "Decode in pairs"
@@ -17,6 +19,7 @@ section of docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -37,10 +40,13 @@ from benchmarks.common import (
 )
 from builder_plugin.kernels import level as library_level
 
-HEADING = per_machine_class("## Decode in pairs")
+HEADING = "## Decode in pairs"
 BOOTSTRAP = 2000  # resamples of the rounds for the interval of the median ratio
 IMAGE_SIZE = (448, 448)  # the global view and one crop
-KERNELS = {"library": True, "onnxruntime": False}
+# what the library is paired with: name -> (the library registered, BUILDER_PLUGIN_OPS_WEIGHTS while it loads)
+AGAINST = {"onnxruntime": (False, None), "copy": (True, "copy"), "huge-pages": (True, "huge-pages")}
+LIBRARY = (True, None)  # as it loads by default
+WEIGHTS = "BUILDER_PLUGIN_OPS_WEIGHTS"
 MODES = ("text", "image")
 IMAGE_PROMPT = "<|user|><|image_1|>Describe the picture in detail.<|end|><|assistant|>"
 STORY = ("The lighthouse keeper counted the ships that passed in the storm and wrote each name she could read into "
@@ -50,13 +56,22 @@ STORY = ("The lighthouse keeper counted the ships that passed in the storm and w
 class Decoding:
     """One kernel setting's model and generator, prefilled, decoding in timed blocks."""
 
-    def __init__(self, package: Path, kernels: bool, mode: str, prompt_tokens: int, steps: int,
+    def __init__(self, package: Path, setting: tuple[bool, str | None], mode: str, prompt_tokens: int, steps: int,
                  photo: Path) -> None:
         import onnxruntime_genai as og
 
         from builder_plugin.runtime.package import og_model
 
-        self.model = og_model(package, kernels=kernels)
+        kernels, weights = setting
+        before = os.environ.get(WEIGHTS)
+        if weights is not None:
+            os.environ[WEIGHTS] = weights  # read by the library's kernels as the sessions make them
+        try:
+            self.model = og_model(package, kernels=kernels)
+        finally:
+            os.environ.pop(WEIGHTS, None)
+            if before is not None:
+                os.environ[WEIGHTS] = before
         params = og.GeneratorParams(self.model)
         if mode == "image":  # the project's own generated PNG: no client bytes reach og's decoder
             inputs = self.model.create_multimodal_processor()(IMAGE_PROMPT, images=og.Images.open(str(photo)))
@@ -86,21 +101,22 @@ class Decoding:
 
 
 def pairs(args: argparse.Namespace, mode: str, photo: Path) -> dict[str, Any]:
-    """One mode: both kernels' decodings, then the blocks in turn."""
+    """One mode: both settings' decodings, then the blocks in turn."""
     total_steps = (args.rounds + 1) * args.steps
+    settings = {"library": LIBRARY, args.against: AGAINST[args.against]}
     decodings = {}
-    for name, kernels in KERNELS.items():
-        decodings[name] = Decoding(args.package, kernels, mode, args.prompt_tokens, total_steps, photo)
+    for name, setting in settings.items():
+        decodings[name] = Decoding(args.package, setting, mode, args.prompt_tokens, total_steps, photo)
         print(f"{mode}, {name}: loaded and prefilled {decodings[name].prompt_tokens} tokens in "
               f"{decodings[name].prefill_s:.1f} s", file=sys.stderr, flush=True)
     for decoding in decodings.values():  # one untimed block each: first-step allocations
         decoding.block(args.steps)
-    blocks: dict[str, list[float]] = {name: [] for name in KERNELS}
+    blocks: dict[str, list[float]] = {name: [] for name in settings}
     for round_index in range(args.rounds):
-        order = list(KERNELS) if round_index % 2 == 0 else list(KERNELS)[::-1]
+        order = list(settings) if round_index % 2 == 0 else list(settings)[::-1]
         for name in order:
             blocks[name].append(decodings[name].block(args.steps))
-        print(f"{mode}, round {round_index + 1}: " + ", ".join(f"{n} {blocks[n][-1]:.2f}" for n in KERNELS) +
+        print(f"{mode}, round {round_index + 1}: " + ", ".join(f"{n} {blocks[n][-1]:.2f}" for n in settings) +
               " tok/s", file=sys.stderr, flush=True)
     return {"prompt_tokens": decodings["library"].prompt_tokens, "tokens_per_s": blocks}
 
@@ -109,13 +125,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-decode-pairs-") as folder:
         photo = make_media(Path(folder), IMAGE_SIZE, 1.0) / "photo.png"
         modes = {mode: pairs(args, mode, photo) for mode in args.modes}
-    return {"package": str(args.package), "library_level": library_level(), "rounds": args.rounds,
-            "steps": args.steps, "modes": modes}
+    return {"package": str(args.package), "library_level": library_level(), "against": args.against,
+            "rounds": args.rounds, "steps": args.steps, "modes": modes}
 
 
-def _ratios(blocks: dict[str, list[float]]) -> str:
-    """The per-round ratio library / onnxruntime: median, bootstrap interval of the median, quartiles, range."""
-    ratios = [lib / ort for lib, ort in zip(blocks["library"], blocks["onnxruntime"])]
+def _ratios(blocks: dict[str, list[float]], against: str) -> str:
+    """The per-round ratio library / `against`: median, bootstrap interval of the median, quartiles, range."""
+    ratios = [lib / other for lib, other in zip(blocks["library"], blocks[against])]
     low, median, high = statistics.quantiles(ratios, n=4)
     draw = random.Random(0)
     medians = sorted(statistics.median(draw.choices(ratios, k=len(ratios))) for _ in range(BOOTSTRAP))
@@ -125,6 +141,9 @@ def _ratios(blocks: dict[str, list[float]]) -> str:
 
 
 def report(results: dict[str, Any]) -> str:
+    against = results.get("against", "onnxruntime")
+    pair = ("the kernel library; onnxruntime's own kernels" if against == "onnxruntime" else
+            f"the kernel library as it loads by default; the library with {WEIGHTS}={against}")
     rows = []
     for mode, found in results["modes"].items():
         for name, values in found["tokens_per_s"].items():
@@ -134,13 +153,20 @@ def report(results: dict[str, Any]) -> str:
     return "\n".join([
         *([results["note"], ""] if results.get("note") else []),
         f"`{results['command']}` at {results['git']['commit'][:10]}: `{Path(results['package']).name}` loaded twice "
-        "in one process (the kernel library; onnxruntime's own kernels), per mode the same prompt prefilled into "
+        f"in one process ({pair}), per mode the same prompt prefilled into "
         f"each (text: the story; image: a 448x448 photo and a question), then {results['rounds']} rounds of "
         f"{results['steps']} greedy decode steps per kernel, taking turns (the order swapped every round).", "",
         markdown_table(["mode", "prompt tokens", "kernels", "decode tok/s, best / median", "range"], rows), "",
-        *(f"Library / onnxruntime per round, {mode}: {_ratios(found['tokens_per_s'])}.\n"
+        *(f"Library / {against} per round, {mode}: {_ratios(found['tokens_per_s'], against)}.\n"
           for mode, found in results["modes"].items()),
         machine_markdown(results["machine"]), ""])
+
+
+def heading(results: dict[str, Any]) -> str:
+    """The section: one per machine class and per setting the library is paired with."""
+    against = results.get("against", "onnxruntime")
+    return per_machine_class(HEADING if against == "onnxruntime" else f"{HEADING}, the library against {against}")(
+        results)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -152,13 +178,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4,
                         help="decode steps per block (short blocks: both of a pair see the same bandwidth)")
     parser.add_argument("--prompt-tokens", type=int, default=512)
+    parser.add_argument("--against", choices=list(AGAINST), default="onnxruntime",
+                        help="what the library, as it loads by default, is paired with")
     add_report_options(parser, "decode_pairs.json")
     args = parser.parse_args(argv)
+    if args.out == parser.get_default("out"):  # a replay rewrites its file; each pairing has a file of its own
+        if args.from_json:
+            args.out = args.from_json
+        elif args.against != "onnxruntime":
+            args.out = args.out.with_name(f"decode_pairs_{args.against}.json")
     if not args.from_json and args.package is None:
         parser.error("give the package folder (or --from-json)")
     if args.rounds < 2:
         parser.error("--rounds must be at least 2")
-    return measure_or_replay(args, argv, "bench_decode_pairs.py", HEADING, run, report)
+    return measure_or_replay(args, argv, "bench_decode_pairs.py", heading, run, report)
+
 
 
 if __name__ == "__main__":

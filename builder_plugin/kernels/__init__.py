@@ -1,7 +1,8 @@
 """The project's onnxruntime operator library: a CPU kernel for com.microsoft MatMulNBits (native/, built from source
-by `pip install`) that reads the package's int4/int8 weights in place with AVX-512 VNNI for a few rows (decode steps)
-and runs many rows (prompts, encoders) on bf16 tiles where the CPU has AMX, on int8 panels where it does not; and the
-encoders' and the prompts' attention in bf16 (AMX tiles, or AVX-512 BF16).
+by `pip install`) that reads the package's int4/int8 weights in place (or from a copy of its own:
+BUILDER_PLUGIN_OPS_WEIGHTS) with AVX-512 VNNI for a few rows (decode steps) and runs many rows (prompts, encoders) on
+bf16 tiles where the CPU has AMX, on int8 panels where it does not; and the encoders' and the prompts' attention in
+bf16 (AMX tiles, or AVX-512 BF16).
 
 Registered on a session (onnxruntime's `SessionOptions.register_custom_ops_library`, genai_config's
 `session_options.custom_ops_library`), onnxruntime prefers it to its own kernel for every MatMulNBits of that

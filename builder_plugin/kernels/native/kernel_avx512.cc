@@ -1,4 +1,4 @@
-// The int8 path on AVX-512 VNNI, reading B in place (the stored MatMulNBits layout, no prepacked copy).
+// The int8 path on AVX-512 VNNI, reading B in its stored MatMulNBits layout (no prepacked form).
 //
 // A's rows are quantized per block of K to int8. B is read 64 bytes (a "chunk") of one column at a time: for 4 bits
 // the low nibbles of a chunk hold 64 even-numbered rows of K and the high nibbles the odd ones, so A is kept split into

@@ -15,6 +15,7 @@
 #include "matmul_nbits.h"
 #include "op_common.h"
 #include "ort_abi.h"
+#include "resident.h"
 
 namespace {
 
@@ -25,13 +26,13 @@ constexpr const char* kDomain = "com.microsoft";
 enum Input { kA = 0, kB, kScales, kZeroPoints, kGIdx, kBias, kInputs };
 constexpr OrtElementType kInputTypes[kInputs] = {ORT_FLOAT, ORT_UINT8, ORT_FLOAT, ORT_UINT8, ORT_INT32, ORT_FLOAT};
 
-// The kernel's paths: few rows (decode steps) on AVX-512 VNNI reading B in place; many rows (a prompt) on AMX, bf16
+// The kernel's paths: few rows (decode steps) on AVX-512 VNNI reading B as stored; many rows (a prompt) on AMX, bf16
 // panels of B (bits 4 and 8, no g_idx) or the int8 block products, and without AMX int8 panels of B on AVX-512 VNNI;
 // the float path where none applies.
 enum class Path { kFloat, kAvx512, kAmxInt8, kAmxBf16, kPanels };
 constexpr const char* kPathNames[] = {"float", "int8 AVX-512", "int8 AMX", "bf16 AMX", "int8 AVX-512 panels"};
 
-// Rows from which the many-rows path beats reading B in place (bench_kernel.py): the bf16 panels, on a CPU with AMX
+// Rows from which the many-rows path beats reading B as stored (bench_kernel.py): the bf16 panels, on a CPU with AMX
 // int8 only the int8 tiles, without AMX the int8 panels. BUILDER_PLUGIN_OPS_PATH=avx512, panels, amx or bf16 forces
 // one path for every row count (benchmarks, tests); a path this CPU lacks leaves the default. =vnni takes the paths of
 // a CPU with AVX-512 VNNI but no AMX (what benchmarks emulate on one with it).
@@ -45,6 +46,8 @@ struct Kernel {
   std::string name;
   Path few = Path::kFloat, many = Path::kFloat;
   int64_t many_from_rows = INT64_MAX;
+  bp::WeightsHome weights = bp::WeightsHome::kInPlace;  // where B is read (BUILDER_PLUGIN_OPS_WEIGHTS, resident.h)
+  mutable bp::ResidentWeights resident;                // the library's copy, where asked for, made at the first run
 };
 
 // What BUILDER_PLUGIN_OPS_PATH asks for: one path for every row count (kFloat when none is set or this CPU lacks it),
@@ -133,6 +136,7 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* table, const OrtKerne
     return api.CreateStatus(ORT_INVALID_ARGUMENT, message.c_str());
   }
   choose_paths(*kernel);
+  kernel->weights = bp::weights_home();
   if (trace())
     std::fprintf(stderr, "%s: MatMulNBits %s K=%lld N=%lld bits=%lld block=%lld accuracy_level=%lld: %s path\n",
                  kLibrary, kernel->name.c_str(), static_cast<long long>(kernel->k), static_cast<long long>(kernel->n),
@@ -176,6 +180,8 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* context) {
   Context ctx{&api, context};
   auto* out = static_cast<float*>(y);
   bool done = false;
+  if (w.g_idx == nullptr && kernel.few != Path::kFloat && kernel.weights != bp::WeightsHome::kInPlace)
+    w = kernel.resident.apply(w, kernel.weights == bp::WeightsHome::kHugePages, parallel_for, &ctx);
   if (w.g_idx == nullptr) {
     const Path path = m >= kernel.many_from_rows ? kernel.many : kernel.few;
     if (path == Path::kAmxBf16) done = bp::matmul_bf16_amx(w, a, m, out, parallel_for, &ctx);

@@ -37,9 +37,11 @@ struct Part {
   size_t bytes;
 };
 
+constexpr size_t kParts = 3;  // B, scales, zero points
+
 struct CopyJob {
   const Part* parts;
-  size_t count;
+  size_t count;  // <= kParts
 };
 
 size_t pieces(size_t bytes) { return (bytes + kPiece - 1) / kPiece; }
@@ -63,11 +65,11 @@ size_t round_up(size_t value, size_t to) { return (value + to - 1) / to * to; }
 
 // The whole pages of each part's source, unmapped from this process where they lie in a mapping of a file (an inode
 // in /proc/self/maps, read once): MADV_DONTNEED there only drops pages the file still holds (they stay in the page
-// cache), where on anonymous private memory it would zero them.
+// cache; onnxruntime never writes to an initializer), where on anonymous private memory it would zero them.
 void release_file_pages(const Part* parts, size_t count) {
   FILE* maps = std::fopen("/proc/self/maps", "re");
   if (maps == nullptr) return;
-  bool done[3] = {};
+  bool done[kParts] = {};
   size_t left = count;
   char line[512];
   while (left > 0 && std::fgets(line, sizeof line, maps) != nullptr) {
@@ -106,7 +108,7 @@ Weights ResidentWeights::apply(const Weights& w, bool huge_pages, ParallelFor ru
     // and the copy faults them in)
     if (huge_pages) madvise(base, total, MADV_HUGEPAGE);
     madvise(base, total, kPopulateWrite);
-    const Part parts[] = {{w.packed, base, packed},
+    const Part parts[kParts] = {{w.packed, base, packed},
                           {w.scales, base + scales_at, scales},
                           {w.zero_points, base + zero_points_at, zero_points}};
     CopyJob job{parts, zero_points ? 3u : 2u};

@@ -46,8 +46,8 @@ struct Kernel {
   std::string name;
   Path few = Path::kFloat, many = Path::kFloat;
   int64_t many_from_rows = INT64_MAX;
-  bp::WeightsHome weights = bp::WeightsHome::kInPlace;  // where B is read (BUILDER_PLUGIN_OPS_WEIGHTS, resident.h)
-  mutable bp::ResidentWeights resident;                // the library's copy, where asked for, made at the first run
+  // where B is read: BUILDER_PLUGIN_OPS_WEIGHTS as the session makes the kernel (resident.h)
+  mutable bp::ResidentWeights resident{bp::weights_home()};
 };
 
 // What BUILDER_PLUGIN_OPS_PATH asks for: one path for every row count (kFloat when none is set or this CPU lacks it),
@@ -136,7 +136,6 @@ OrtStatus* create_kernel(const OrtCustomOp*, const OrtApi* table, const OrtKerne
     return api.CreateStatus(ORT_INVALID_ARGUMENT, message.c_str());
   }
   choose_paths(*kernel);
-  kernel->weights = bp::weights_home();
   if (trace())
     std::fprintf(stderr, "%s: MatMulNBits %s K=%lld N=%lld bits=%lld block=%lld accuracy_level=%lld: %s path\n",
                  kLibrary, kernel->name.c_str(), static_cast<long long>(kernel->k), static_cast<long long>(kernel->n),
@@ -180,8 +179,7 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* context) {
   Context ctx{&api, context};
   auto* out = static_cast<float*>(y);
   bool done = false;
-  if (w.g_idx == nullptr && kernel.few != Path::kFloat && kernel.weights != bp::WeightsHome::kInPlace)
-    w = kernel.resident.apply(w, kernel.weights == bp::WeightsHome::kHugePages, parallel_for, &ctx);
+  if (w.g_idx == nullptr && kernel.few != Path::kFloat) w = kernel.resident.apply(w, parallel_for, &ctx);
   if (w.g_idx == nullptr) {
     const Path path = m >= kernel.many_from_rows ? kernel.many : kernel.few;
     if (path == Path::kAmxBf16) done = bp::matmul_bf16_amx(w, a, m, out, parallel_for, &ctx);

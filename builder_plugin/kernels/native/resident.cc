@@ -93,7 +93,8 @@ ResidentWeights::~ResidentWeights() {
   if (mapping_ != nullptr) munmap(mapping_, mapping_bytes_);
 }
 
-Weights ResidentWeights::apply(const Weights& w, bool huge_pages, ParallelFor run, void* context) {
+Weights ResidentWeights::apply(const Weights& w, ParallelFor run, void* context) {
+  if (home_ == WeightsHome::kInPlace) return w;
   std::call_once(made_, [&] {
     if (w.packed == nullptr || w.scales == nullptr) return;
     const size_t packed = static_cast<size_t>(w.n * w.column_bytes());
@@ -104,13 +105,13 @@ Weights ResidentWeights::apply(const Weights& w, bool huge_pages, ParallelFor ru
     void* mapping = mmap(nullptr, total, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (mapping == MAP_FAILED) return;
     auto* base = static_cast<uint8_t*>(mapping);
+    if (home_ == WeightsHome::kHugePages) madvise(base, total, MADV_HUGEPAGE);
     // faulted in by one call rather than page by page during the copy (a kernel older than Linux 5.14 refuses it,
     // and the copy faults them in)
-    if (huge_pages) madvise(base, total, MADV_HUGEPAGE);
     madvise(base, total, kPopulateWrite);
     const Part parts[kParts] = {{w.packed, base, packed},
-                          {w.scales, base + scales_at, scales},
-                          {w.zero_points, base + zero_points_at, zero_points}};
+                                {w.scales, base + scales_at, scales},
+                                {w.zero_points, base + zero_points_at, zero_points}};
     CopyJob job{parts, zero_points ? 3u : 2u};
     run(context, copy_piece, pieces(packed) + pieces(scales) + pieces(zero_points), &job);
     mapping_ = mapping;
@@ -132,7 +133,7 @@ Weights ResidentWeights::apply(const Weights& w, bool huge_pages, ParallelFor ru
 #else
 
 ResidentWeights::~ResidentWeights() = default;
-Weights ResidentWeights::apply(const Weights& w, bool, ParallelFor, void*) { return w; }
+Weights ResidentWeights::apply(const Weights& w, ParallelFor, void*) { return w; }
 
 #endif
 

@@ -19,19 +19,25 @@
 
 namespace bp {
 
+// Where the kernels made now read their weights (BUILDER_PLUGIN_OPS_WEIGHTS; an unknown value leaves the default and
+// says so on stderr, once).
+enum class WeightsHome { kInPlace, kCopy, kHugePages };
+WeightsHome weights_home();
+
+// One node's weights where `home` says.
 class ResidentWeights {
  public:
-  ResidentWeights() = default;
+  explicit ResidentWeights(WeightsHome home) : home_(home) {}
   ResidentWeights(const ResidentWeights&) = delete;
   ResidentWeights& operator=(const ResidentWeights&) = delete;
   ~ResidentWeights();
 
-  // `w` reading B, its scales and zero points from the copy, which the first call makes on `run`'s threads (on
-  // transparent huge pages if `huge_pages`); `w` as it is where the copy could not be made or `w.packed` is not the B
-  // that was copied.
-  Weights apply(const Weights& w, bool huge_pages, ParallelFor run, void* context);
+  // `w` reading B, its scales and zero points from the copy, which the first call makes on `run`'s threads; `w` as
+  // it is in place, where the copy could not be made, or where `w.packed` is not the B that was copied.
+  Weights apply(const Weights& w, ParallelFor run, void* context);
 
  private:
+  const WeightsHome home_;
   std::once_flag made_;
   const uint8_t* source_ = nullptr;
   void* mapping_ = nullptr;
@@ -40,10 +46,5 @@ class ResidentWeights {
   const float* scales_ = nullptr;
   const uint8_t* zero_points_ = nullptr;
 };
-
-// Where the kernels made now read their weights (BUILDER_PLUGIN_OPS_WEIGHTS; an unknown value leaves the default and
-// says so on stderr, once).
-enum class WeightsHome { kInPlace, kCopy, kHugePages };
-WeightsHome weights_home();
 
 }  // namespace bp

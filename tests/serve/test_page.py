@@ -155,14 +155,15 @@ def ask(driver, text: str) -> None:
 
 def grew_while_streaming(driver) -> list[int]:
     """The lengths the streaming answer was shown at, in order (window.seen, without repeats)."""
-    lengths = [length for state, length in driver.execute_script("return window.seen") if state == "streaming"]
+    lengths = [length for state, length, _ in driver.execute_script("return window.seen") if state == "streaming"]
     return [n for i, n in enumerate(lengths) if i == 0 or n != lengths[i - 1]]
 
 
 WATCH = """
 new MutationObserver(() => {
   const shown = [...document.querySelectorAll('#messages article.assistant')].pop();
-  if (shown && window.seen) window.seen.push([shown.dataset.state, shown.querySelector('.text').textContent.length]);
+  if (shown && window.seen) window.seen.push([shown.dataset.state, shown.querySelector('.text').textContent.length,
+                                              shown.querySelector('.meta').textContent]);
 }).observe(document.getElementById('messages'), {subtree: true, childList: true, characterData: true,
                                                  attributes: true});
 """
@@ -197,6 +198,19 @@ def test_chat_in_a_browser(browser, served, chat, media_dir, tmp_path):
         assert reply["content"] == expected[0].text and reply["meta"]["state"] == "done"
         assert reply["meta"]["usage"]["completion_tokens"] == expected[0].completion_tokens
         assert first["title"] == "What is a lighthouse?"
+        # before its first word the answer says how long it has waited; then how long that took
+        waited = [meta for state, length, meta in driver.execute_script("return window.seen")
+                  if state == "streaming" and length == 0]
+        assert waited and all(re.fullmatch(r"waiting for the first word · \d+ s", meta) for meta in waited), waited
+        assert 0 < reply["meta"]["firstWord"] <= reply["meta"]["seconds"] and "started" not in reply["meta"]
+        shown_meta = driver.execute_script("return [...document.querySelectorAll('#messages article.assistant')]"
+                                           ".pop().querySelector('.meta').textContent")
+        shown_wait = re.search(r"first word after (\d+\.\d) s$", shown_meta)
+        assert shown_wait and abs(float(shown_wait[1]) - reply["meta"]["firstWord"]) <= 0.051, shown_meta
+        meta = reply["meta"]
+        rate = (meta["usage"]["completion_tokens"] - 1) / (meta["seconds"] - meta["firstWord"])
+        shown_rate = re.search(r"· (\d+\.\d) tokens/s", shown_meta)
+        assert shown_rate and abs(float(shown_rate[1]) - rate) <= 0.051, (shown_meta, rate)
 
         # a picture and a clip attached through the file input: sent as they are, answered in the same conversation
         for path in (image, clip):

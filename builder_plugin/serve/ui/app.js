@@ -64,11 +64,22 @@ function fillAnswer(view, message) {
   view.setAttribute("aria-busy", String(meta.state === "streaming")); // read out once complete
   view.querySelector(".text").replaceChildren(render(message.content ?? ""));
   const notes = [];
+  // a prompt with a picture or sound can take many seconds on a CPU before its first word: say so as it goes
+  if (meta.state === "streaming" && !message.content && meta.started) {
+    notes.push(`waiting for the first word · ${Math.floor((Date.now() - meta.started) / 1000)} s`);
+  }
   if (meta.state === "stopped") notes.push("stopped");
   if (meta.finish === "length") notes.push("cut at the token limit");
   if (meta.usage) {
-    const perSecond = meta.seconds > 0 ? ` · ${(meta.usage.completion_tokens / meta.seconds).toFixed(1)} tokens/s` : "";
+    // the rate after the first word, as the server's log gives it (the wait before it is shown apart); answers kept
+    // from before the page timed their first word: over the whole answer
+    const after = meta.firstWord !== undefined;
+    const tokens = meta.usage.completion_tokens - (after ? 1 : 0), streamed = meta.seconds - (meta.firstWord ?? 0);
+    const perSecond = tokens > 0 && streamed > 0 ? ` · ${(tokens / streamed).toFixed(1)} tokens/s` : "";
     notes.push(`${meta.usage.completion_tokens} tokens${perSecond}`);
+  }
+  if (meta.firstWord !== undefined && meta.state !== "streaming") {
+    notes.push(`first word after ${meta.firstWord.toFixed(1)} s`);
   }
   const line = view.querySelector(".meta");
   line.replaceChildren(notes.join(" · "));
@@ -152,17 +163,22 @@ async function answer(conversation) {
   const controller = new AbortController();
   answering = { controller, conversation };
   setBusy(true);
-  const message = { role: "assistant", content: "", meta: { state: "streaming" } };
+  const message = { role: "assistant", content: "", meta: { state: "streaming", started: Date.now() } };
   const view = messageView(message);
   $("messages").append(view);
   scrollToEnd(true);
   const started = performance.now();
+  const waiting = setInterval(() => fillAnswer(view, message), 1000); // the wait's seconds, until the first word
   let frame = 0;
   try {
     const { apiKey } = store.settings;
     for await (const chunk of streamChat(request(conversation), apiKey, controller.signal)) {
       const choice = chunk.choices?.[0];
       if (choice?.delta?.content) {
+        if (!message.content) {
+          clearInterval(waiting);
+          message.meta.firstWord = (performance.now() - started) / 1000;
+        }
         message.content += choice.delta.content;
         frame ||= requestAnimationFrame(() => {
           frame = 0;
@@ -183,6 +199,8 @@ async function answer(conversation) {
     }
   }
   cancelAnimationFrame(frame);
+  clearInterval(waiting);
+  delete message.meta.started;
   message.meta.seconds = (performance.now() - started) / 1000;
   conversation.messages.push(message);
   answering = null;

@@ -27,8 +27,9 @@ class Unreadable(Exception):
     """The bytes are refused; the message is the reason, for people (e.g. "not a readable image (truncated JPEG)")."""
 
 
-def canonical_image(data: bytes, limits: MediaLimits) -> tuple[bytes, dict[str, Any]]:
-    """(PNG bytes of the first frame in 8-bit RGB, upright per its EXIF orientation; what it was)."""
+def canonical_image(data: bytes, limits: MediaLimits, fit: int | None = None) -> tuple[bytes, dict[str, Any]]:
+    """(PNG bytes of the first frame in 8-bit RGB, upright per its EXIF orientation, and with `fit` scaled down to
+    fit a square of that side, its shape kept (never up); what it was)."""
     Image.MAX_IMAGE_PIXELS = None  # the size is checked here, from the header, before any pixel is decoded
     names = _one_of(IMAGE_FORMATS.values())
     try:
@@ -54,7 +55,14 @@ def canonical_image(data: bytes, limits: MediaLimits) -> tuple[bytes, dict[str, 
     except Exception as exc:
         raise Unreadable(f"not a readable image ({_broken(exc, kind)})") from None
     image = _upright(image)
-    return png(np.asarray(_rgb(image, kind))), {"format": kind, "width": image.width, "height": image.height}
+    info = {"format": kind, "width": image.width, "height": image.height}
+    image = _rgb(image, kind)
+    if fit is not None and max(image.size) > fit:
+        scale = fit / max(image.size)
+        size = (max(1, round(image.width * scale)), max(1, round(image.height * scale)))
+        image = image.resize(size, Image.Resampling.LANCZOS, reducing_gap=3.0)
+        info["fitted"] = list(image.size)
+    return png(np.asarray(image)), info
 
 
 def canonical_audio(data: bytes, limits: MediaLimits) -> tuple[bytes, dict[str, Any]]:

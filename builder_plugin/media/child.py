@@ -1,5 +1,6 @@
-"""python -m builder_plugin.media.child: the decoder process. Reads requests (kind, limits; the file's bytes)
-from stdin and writes answers (the canonical bytes, or the reason they are refused) to stdout, until stdin closes.
+"""python -m builder_plugin.media.child: the decoder process. Reads requests (kind, limits, an image's fit; the file's
+bytes) from stdin and writes answers (the canonical bytes, or the reason they are refused) to stdout, until stdin
+closes.
 
 Its address space is capped, so a decoder that allocates without bound fails here with MemoryError."""
 
@@ -19,12 +20,15 @@ def main() -> int:
     from builder_plugin.media.canonical import Unreadable, canonical_audio, canonical_image
     from builder_plugin.media.limits import MediaLimits
 
-    decoders = {"image": canonical_image, "audio": canonical_audio}
     stdin, stdout = sys.stdin.buffer, sys.stdout.buffer
     while (message := frames.read(stdin)) is not None:
         header, data = message
+        limits = MediaLimits(**header["limits"])
         try:
-            payload, info = decoders[header["kind"]](data, MediaLimits(**header["limits"]))
+            if header["kind"] == "image":
+                payload, info = canonical_image(data, limits, header.get("fit"))
+            else:
+                payload, info = canonical_audio(data, limits)
             answer = frames.encode({"ok": True, "info": info}, payload)
         except Unreadable as exc:
             answer = frames.encode({"ok": False, "reason": str(exc)})

@@ -75,14 +75,15 @@ class MediaDecoder:
         self._closed = False
         self._free = threading.Condition()
 
-    def image(self, data: bytes, source: str) -> Media:
-        return self.decode("image", data, source)
+    def image(self, data: bytes, source: str, fit: int | None = None) -> Media:
+        return self.decode("image", data, source, fit)
 
     def audio(self, data: bytes, source: str) -> Media:
         return self.decode("audio", data, source)
 
-    def open(self, kind: str, path: str | Path) -> Media:
-        """The file at `path` decoded; raises MediaNotFoundError or MediaError."""
+    def open(self, kind: str, path: str | Path, fit: int | None = None) -> Media:
+        """The file at `path` decoded (an image with `fit` as decode() says); raises MediaNotFoundError or
+        MediaError."""
         path = Path(path).expanduser()
         if not path.exists():
             raise MediaNotFoundError(kind, str(path), f"{kind} file not found")
@@ -90,12 +91,16 @@ class MediaDecoder:
             raise MediaNotFoundError(kind, str(path), f"{kind} path is not a file")
         if path.stat().st_size > self.limits.max_file_bytes:
             raise MediaError(kind, str(path), self._too_large())
-        return self.decode(kind, path.read_bytes(), str(path))
+        return self.decode(kind, path.read_bytes(), str(path), fit)
 
-    def decode(self, kind: str, data: bytes, source: str) -> Media:
-        """`data` (a whole file's bytes) decoded into canonical bytes; raises MediaError naming `source`."""
+    def decode(self, kind: str, data: bytes, source: str, fit: int | None = None) -> Media:
+        """`data` (a whole file's bytes) decoded into canonical bytes; raises MediaError naming `source`. An image
+        with `fit` is scaled down to fit a square of that many pixels a side, its shape kept (one crop of the
+        model's, not the crops of its full detail)."""
         if kind not in KINDS:
             raise ValueError(f"unknown media kind {kind!r}")
+        if fit is not None and (kind != "image" or isinstance(fit, bool) or not isinstance(fit, int) or fit < 1):
+            raise ValueError(f"fit must be a positive number of pixels, for an image only (not {fit!r} for {kind})")
         if len(data) > self.limits.max_file_bytes:
             raise MediaError(kind, source, self._too_large())
         if not data:
@@ -103,7 +108,8 @@ class MediaDecoder:
         child = self._take()
         healthy = False
         try:
-            header, payload = child.ask(frames.encode({"kind": kind, "limits": self.limits.as_dict()}, data),
+            request = {"kind": kind, "limits": self.limits.as_dict(), "fit": fit}
+            header, payload = child.ask(frames.encode(request, data),
                                         time.monotonic() + self.limits.decode_seconds)
             healthy = True
         except frames.FrameTimeout:

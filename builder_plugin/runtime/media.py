@@ -35,9 +35,17 @@ def default_decoder() -> MediaDecoder:
         return _default
 
 
-def open_image(source: MediaSource, decoder: MediaDecoder | None = None) -> Media:
-    """An image file decoded (Media pass through); raises MediaNotFoundError or UnsupportedMediaError."""
-    return _open("image", source, decoder)
+def open_image(source: MediaSource, decoder: MediaDecoder | None = None, fit: int | None = None) -> Media:
+    """An image file decoded (Media pass through); raises MediaNotFoundError or UnsupportedMediaError. With `fit`
+    (e.g. a Package's ``crop_side``), scaled down to fit a square of that side, its shape kept: the model then reads
+    it as one crop and the global view, a fraction of the prompt tokens and time of a large photo's full detail."""
+    media = _open("image", source, decoder, fit)
+    if fit is not None and media is source:  # decoded already: fitted from its canonical bytes
+        try:
+            return (decoder or default_decoder()).decode("image", media.data, media.source, fit)
+        except MediaError as exc:
+            raise UnsupportedMediaError(str(exc), exc.source) from None
+    return media
 
 
 def open_audio(source: MediaSource, decoder: MediaDecoder | None = None) -> Media:
@@ -57,14 +65,14 @@ def og_audios(audios: Iterable[Media]) -> og.Audios | None:
     return og.Audios.open_bytes(*data) if data else None
 
 
-def _open(kind: str, source: MediaSource, decoder: MediaDecoder | None) -> Media:
+def _open(kind: str, source: MediaSource, decoder: MediaDecoder | None, fit: int | None = None) -> Media:
     if isinstance(source, Media):
         if source.kind != kind:
             raise UnsupportedMediaError(f"{source.source}: {_A[kind]} was expected, not {_A[source.kind]}",
                                         source.source)
         return source
     try:
-        return (decoder or default_decoder()).open(kind, source)
+        return (decoder or default_decoder()).open(kind, source, fit)
     except MediaNotFoundError as exc:
         raise MissingMediaError(exc.reason + f": {exc.source}") from None
     except MediaError as exc:

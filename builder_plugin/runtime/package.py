@@ -188,6 +188,7 @@ class Package:
         except (ValueError, KeyError, TypeError) as exc:
             raise PackageError(f"cannot read the package configuration in {self.dir}: {exc}") from exc
         self.has_speech = bool(model.get("speech", {}).get("filename"))
+        self.crop_side = crop_side(self.dir, model)
         try:
             self.kv_bytes_per_token = kv_bytes_per_token(self.genai_config, self.manifest.builder)
         except (ValueError, KeyError, TypeError) as exc:
@@ -250,6 +251,23 @@ class Package:
             return LoadedModel(variant, model, self.vocab_size)
         except RuntimeError as exc:
             raise PackageError(f"cannot load {self.dir / variant}: {first_line(exc)}") from exc
+
+
+def crop_side(package_dir: Path, model: dict[str, Any]) -> int | None:
+    """The pixels a side of one crop of the package's vision processor (its dynamic HD transform tiles an image with
+    such crops, and an image that fits one is read as that crop and the global view); None without a vision model."""
+    name = model.get("vision", {}).get("config_filename")
+    if not name:
+        return None
+    path = package_dir / name
+    try:
+        transforms = json.loads(path.read_text(encoding="utf-8"))["processor"]["transforms"]
+        for transform in transforms:
+            if transform["operation"]["type"] == "Phi4VisionDynamicPreprocess":
+                return int(transform["operation"]["attrs"]["dyhd_base_resolution"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise PackageError(f"cannot read the vision processor's crop size in {path}: {exc}") from exc
+    raise PackageError(f"cannot read the vision processor's crop size in {path}: no Phi4VisionDynamicPreprocess")
 
 
 def og_model(package_dir: str | Path, threads: int | None = None, kernels: bool | None = None) -> Any:

@@ -178,7 +178,7 @@ class Server:
         if parsed.tools is not None and not await run_in_threadpool(self._has_tool_tokens):
             raise ApiError(f"tools: this model's tokenizer has no tool-call tokens ({TOOL_CALL_OPEN}, "
                            f"{TOOL_CALL_CLOSE}), so it cannot call tools", param="tools", code="tools_not_supported")
-        media = MediaReader(self.media_cache, self.allow_local_files)
+        media = MediaReader(self.media_cache, self.allow_local_files, self.package.crop_side)
         exchange = await run_in_threadpool(parse_messages, messages, media, where, parsed.prompt_field)
         if exchange.has_audio and not self.package.has_speech:
             raise ApiError("this model has no speech encoder, so it cannot take audio", param=parsed.prompt_field,

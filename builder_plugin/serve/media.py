@@ -17,11 +17,14 @@ from builder_plugin.media import Media, MediaDecoder, MediaError, MediaNotFoundE
 from builder_plugin.serve.errors import ApiError, shutting_down
 
 AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")  # input_audio.format: the content decides how it is decoded
+# image_url.detail: "low" fits the image to one crop of the model's (a photo's answer starts several times sooner);
+# "auto" and "high" give it whole, as the model's processor tiles it (up to 36 crops and the global view)
+IMAGE_DETAILS = ("auto", "low", "high")
 _CODES = {"image": "invalid_image_format", "audio": "invalid_audio_format"}
 
 
 class MediaCache:
-    """Decoded media by (kind, sha256 of the bytes sent), least recently used dropped past `max_bytes` of canonical
+    """Decoded media by (kind, fit, sha256 of the bytes sent), least recently used dropped past `max_bytes` of canonical
     bytes (a kept conversation still holds its own). ``close`` (the server's shutdown) stops the decoder processes
     and forgets everything; later requests are refused."""
 
@@ -33,9 +36,10 @@ class MediaCache:
         self._closed = False
         self._lock = threading.Lock()
 
-    def decode(self, kind: str, data: bytes, source: str) -> Media:
-        """`data` decoded (or found decoded), named `source`; raises MediaError."""
-        key = (kind, hashlib.sha256(data).hexdigest())
+    def decode(self, kind: str, data: bytes, source: str, fit: int | None = None) -> Media:
+        """`data` decoded (or found decoded), an image with `fit` as MediaDecoder.decode says, named `source`; raises
+        MediaError."""
+        key = (kind, fit, hashlib.sha256(data).hexdigest())
         with self._lock:
             if self._closed:
                 raise shutting_down()
@@ -43,7 +47,7 @@ class MediaCache:
             if media is not None:
                 self._entries.move_to_end(key)
                 return media.named(source)
-        media = self.decoder.decode(kind, data, source)
+        media = self.decoder.decode(kind, data, source, fit)
         with self._lock:
             if key not in self._entries and len(media.data) <= self.max_bytes:
                 self._entries[key] = media
@@ -68,20 +72,24 @@ class MediaCache:
 class MediaReader:
     """Turns the media parts of one request into Media named by their place in the request (for error messages)."""
 
-    def __init__(self, cache: MediaCache, allow_local_files: bool = False) -> None:
+    def __init__(self, cache: MediaCache, allow_local_files: bool = False, crop_side: int | None = None) -> None:
         self.cache = cache
         self.allow_local_files = allow_local_files
+        self.crop_side = crop_side  # what detail "low" fits an image to: one crop of the package's vision processor
 
-    def image(self, url: object, param: str) -> Media:
+    def image(self, url: object, param: str, detail: object = None) -> Media:
+        """The image of an image_url part (`param`), as its `detail` asks."""
+        check_detail(detail, f"{param}.detail")
+        fit = self.crop_side if detail == "low" else None
         if not isinstance(url, str):
             raise ApiError(f"{param}: the image URL must be a string", param=param)
         if url.startswith("file:"):
-            return self._local_file(url, param)
+            return self._local_file(url, param, fit)
         if not url.startswith("data:"):
             scheme = urlparse(url).scheme or url[:16]
             raise ApiError(f"{param}: image URLs must be data: URLs ({scheme!r} is not fetched by this server)",
                            param=param, code="invalid_image_url")
-        return self._decode("image", decode_base64(_data_url_payload(url, param), param), param)
+        return self._decode("image", decode_base64(_data_url_payload(url, param), param), param, fit)
 
     def audio(self, data: object, audio_format: object, param: str) -> Media:
         if audio_format not in AUDIO_FORMATS:
@@ -91,13 +99,13 @@ class MediaReader:
             raise ApiError(f"{param}.data: base64 audio data (a string) is required", param=f"{param}.data")
         return self._decode("audio", decode_base64(data, f"{param}.data"), param)
 
-    def _decode(self, kind: str, data: bytes, param: str) -> Media:
+    def _decode(self, kind: str, data: bytes, param: str, fit: int | None = None) -> Media:
         try:
-            return self.cache.decode(kind, data, param)
+            return self.cache.decode(kind, data, param, fit)
         except MediaError as exc:
             raise ApiError(f"{param}: {exc.reason}", param=param, code=_CODES[kind]) from None
 
-    def _local_file(self, url: str, param: str) -> Media:
+    def _local_file(self, url: str, param: str, fit: int | None) -> Media:
         if not self.allow_local_files:
             raise ApiError(f"{param}: file:// URLs are refused (start the server with --allow-local-files)",
                            param=param, code="local_files_not_allowed")
@@ -105,11 +113,17 @@ class MediaReader:
         if parsed.netloc not in ("", "localhost"):
             raise ApiError(f"{param}: file:// URLs must name a local path", param=param, code="invalid_image_url")
         try:
-            return self.cache.decoder.open("image", Path(unquote(parsed.path))).named(param)
+            return self.cache.decoder.open("image", Path(unquote(parsed.path)), fit).named(param)
         except MediaNotFoundError as exc:
             raise ApiError(f"{param}: {exc.reason}: {exc.source}", param=param, code="invalid_image_url") from None
         except MediaError as exc:
             raise ApiError(f"{param}: {exc.reason}", param=param, code=_CODES["image"]) from None
+
+
+def check_detail(detail: object, param: str) -> None:
+    """Raises ApiError (naming `param`) unless `detail` is an image detail the server knows, or left out."""
+    if detail is not None and detail not in IMAGE_DETAILS:
+        raise ApiError(f"{param}: must be one of {', '.join(IMAGE_DETAILS)}, not {detail!r}", param=param)
 
 
 def decode_base64(text: str, param: str) -> bytes:

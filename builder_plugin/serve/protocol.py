@@ -283,7 +283,8 @@ def _user_parts(content: Any, param: str, media: MediaReader) -> list[str | Medi
         if kind == "text" and isinstance(part.get("text"), str):
             parts.append(part["text"])
         elif kind == "image_url" and isinstance(part.get("image_url"), dict):
-            parts.append(media.image(part["image_url"].get("url"), f"{where}.image_url"))
+            image = part["image_url"]
+            parts.append(media.image(image.get("url"), f"{where}.image_url", image.get("detail")))
         elif kind == "input_audio" and isinstance(part.get("input_audio"), dict):
             audio = part["input_audio"]
             parts.append(media.audio(audio.get("data"), audio.get("format"), f"{where}.input_audio"))

@@ -26,6 +26,7 @@ from pydantic import Field
 from builder_plugin.serve.errors import ApiError
 from builder_plugin.serve.events import Collected, Finished, Piece, ToolCalls, sse
 from builder_plugin.serve.fields import RESPONSES
+from builder_plugin.serve.media import check_detail
 from builder_plugin.serve.protocol import ChatRequest, RequestFields, Writer, read_request
 from builder_plugin.serve.structured import response_guidance
 from builder_plugin.serve.tools import parse_tools
@@ -182,7 +183,8 @@ def _part(part: Any, param: str) -> dict[str, Any]:
                            param=f"{param}.file_id", code="unsupported_parameter")
         if not isinstance(part.get("image_url"), str):
             raise ApiError(f"{param}.image_url: required", param=f"{param}.image_url")
-        return {"type": "image_url", "image_url": {"url": part["image_url"]}}
+        check_detail(part.get("detail"), f"{param}.detail")
+        return {"type": "image_url", "image_url": {"url": part["image_url"], "detail": part.get("detail")}}
     if kind == "input_audio":
         return {"type": "input_audio", "input_audio": part.get("input_audio")}
     return {"type": "text", "text": part.get("text")}

@@ -94,6 +94,32 @@ def test_photos_are_turned_upright_by_their_exif_orientation(decoder):
     assert decoded[:20].min() == 255 and decoded[20:].max() == 0  # the white half is now on top
 
 
+def test_a_fit_scales_images_down_to_a_square_keeping_their_shape(decoder):
+    from skimage import data as photographs
+
+    photo = photographs.astronaut()  # 512 x 512
+    wide = np.ascontiguousarray(np.concatenate([photo, photo[:, ::-1]], axis=1)[:300])  # 1024 x 300
+    for pixels, fit, size in ((photo, 448, (448, 448)), (wide, 448, (448, 131)), (wide[:, :200], 448, (200, 300)),
+                              (wide, 1, (1, 1))):
+        data = _encoded(pixels, "PNG")
+        media = decoder.image(data, "photo", fit=fit)
+        decoded = _rgb(media)
+        assert decoded.shape == (size[1], size[0], 3), (fit, pixels.shape)
+        assert (media.info["width"], media.info["height"]) == (pixels.shape[1], pixels.shape[0])  # what it was
+        assert media.info.get("fitted", list(size)) == list(size)
+        if size[0] < pixels.shape[1] and min(size) > 1:  # scaled: the photograph, as a plain Lanczos resize gives it
+            expected = np.asarray(Image.fromarray(pixels).resize(size, Image.Resampling.LANCZOS), np.int16)
+            assert np.abs(decoded.astype(np.int16) - expected).mean() < 2
+        elif size[0] == pixels.shape[1]:  # never up
+            assert np.array_equal(decoded, pixels) and "fitted" not in media.info
+    assert decoder.image(_encoded(photo, "PNG"), "photo", fit=448) != decoder.image(_encoded(photo, "PNG"), "photo")
+    for wrong in (0, -3, 2.5, True, "448"):
+        with pytest.raises(ValueError, match="fit must be a positive number of pixels"):
+            decoder.image(_encoded(photo, "PNG"), "photo", fit=wrong)
+    with pytest.raises(ValueError, match="for an image only"):
+        decoder.decode("audio", _wav(np.zeros(1600, np.int16), 16000), "clip", fit=448)
+
+
 def test_clips_become_mono_16_bit_wav_at_their_rate(decoder):
     rng = np.random.default_rng(2)
     left, right = (0.4 * np.sin(np.linspace(0, f, 12000)) + 0.05 * rng.standard_normal(12000) for f in (300, 900))

@@ -52,6 +52,32 @@ def test_the_processor_reads_canonical_bytes_as_it_reads_the_files(tiny_package,
     assert og_images([]) is None and og_audios([]) is None
 
 
+def test_a_fit_to_the_packages_crop_gives_the_model_one_crop(tiny_package, tiny_checkpoint, tmp_path):
+    """Package.crop_side is the checkpoint's crop size; an image opened with that fit (a file, or media already
+    decoded) is read as one crop and the global view, where the whole photo takes several crops."""
+    import io
+    import json
+
+    from PIL import Image
+    from skimage import data as photographs
+
+    from builder_plugin.runtime import Package
+
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    crop = config["embd_layer"]["image_embd_layer"]["crop_size"]
+    assert Package(tiny_package).crop_side == crop
+    photo = tmp_path / "photo.jpg"
+    Image.fromarray(photographs.astronaut()).resize((1200, 800)).save(photo)
+    fitted = open_image(photo, fit=crop)
+    assert Image.open(io.BytesIO(fitted.data)).size == (crop, round(800 * crop / 1200))
+    assert open_image(open_image(photo), fit=crop) == fitted and open_image(fitted, fit=crop) == fitted
+    processor = og.Model(str(tiny_package)).create_multimodal_processor()
+    prompt = "<|user|><|image_1|>?<|end|><|assistant|>"
+    whole = processor(prompt, images=og_images([open_image(photo)]))["pixel_values"].as_numpy()
+    one = processor(prompt, images=og_images([fitted]))["pixel_values"].as_numpy()
+    assert one.shape[1] == 2 and whole.shape[1] > 2  # crops and the global view, [batch, crops, 3, side, side]
+
+
 def test_the_shortest_clip_accepted_is_answered_and_a_shorter_one_refused(tiny_package, tmp_path):
     """Clips of 5-15 ms end the process inside onnxruntime-genai's feature extractor (SIGFPE): the limit refuses
     them, and a clip of the shortest accepted length goes through the whole pipeline at every kind of rate."""

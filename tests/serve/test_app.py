@@ -3,6 +3,7 @@ Every answer is compared with a Chat run independently on the same package (gree
 
 from __future__ import annotations
 
+import io
 import json
 import threading
 from pathlib import Path
@@ -23,6 +24,7 @@ from tests.support.serving import (
     ask_chat,
     ask_server,
     b64,
+    image_part,
     last_stats,
     running_server,
     user,
@@ -116,6 +118,45 @@ def test_local_files_only_when_allowed(served, chat, media_dir, tmp_path):
         assert ask_server(allowing.client(), messages) == ask_chat(chat, [("What?", (media_dir / IMAGE,), ())])[0]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+def test_low_detail_fits_a_photo_to_one_crop(server, served, chat, tiny_checkpoint, tmp_path, stream):
+    """detail "low": the image scaled down to one crop of the package's vision processor (the crop size of the
+    checkpoint's config), answered as Chat answers that image; "high" and "auto" send it whole."""
+    import onnxruntime_genai as og
+    from PIL import Image
+    from skimage import data as photographs
+
+    from builder_plugin.runtime import open_image
+
+    photo = tmp_path / "photo.png"
+    Image.fromarray(photographs.astronaut()).resize((1000, 700)).save(photo)
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    crop = config["embd_layer"]["image_embd_layer"]["crop_size"]
+    assert served.package.crop_side == crop
+    fitted = open_image(photo, fit=crop)
+    assert Image.open(io.BytesIO(fitted.data)).size == (crop, round(700 * crop / 1000))
+
+    def message(detail: str | None) -> list[dict]:
+        part = image_part(photo)
+        if detail is not None:
+            part["image_url"]["detail"] = detail
+        return [{"role": "user", "content": [part, {"type": "text", "text": "What is in this picture?"}]}]
+
+    low = ask_server(server.client(), message("low"), stream=stream)
+    assert low == ask_chat(chat, [("What is in this picture?", (fitted,), ())])[0]
+    # as many prompt tokens as the processor gives a picture of that size resized on its own
+    resized = tmp_path / "resized.png"
+    Image.open(photo).resize(Image.open(io.BytesIO(fitted.data)).size, Image.Resampling.LANCZOS).save(resized)
+    processor = served.package.load(served.package.main_decoder).model.create_multimodal_processor()
+    ids = processor("<|user|><|image_1|>What is in this picture?<|end|><|assistant|>",
+                    images=og.Images.open(str(resized)))["input_ids"].as_numpy()
+    assert low.prompt_tokens == ids.shape[-1]
+    whole = ask_chat(chat, [("What is in this picture?", (photo,), ())])[0]
+    assert whole.prompt_tokens > 2 * low.prompt_tokens
+    for detail in ("high", "auto", None):
+        assert ask_server(server.client(), message(detail), stream=stream) == whole, detail
+
+
 def _bad_requests(media_dir: Path, tmp_path: Path) -> dict[str, tuple[dict, int, str | None, str]]:
     """name -> (request fields, status, error code, a piece of the message)."""
     png = (media_dir / IMAGE).read_bytes()
@@ -147,6 +188,9 @@ def _bad_requests(media_dir: Path, tmp_path: Path) -> dict[str, tuple[dict, int,
                         "unsupported sample rate 6000 Hz (use 8000 to 192000)"),
         "audio format": ({"messages": [audio_msg(b64(png), "aac")]}, 400, "invalid_audio_format",
                          "wav, mp3, flac, ogg"),
+        "image detail": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+            "url": f"data:image/png;base64,{b64(png)}", "detail": "medium"}}]}]}, 400, None,
+            "messages[0].content[0].image_url.detail: must be one of auto, low, high, not 'medium'"),
         "image tags": ({"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64(png)}"}},
             {"type": "text", "text": "<|image_1|> and <|image_2|>?"}]}]}, 400, "invalid_media_tags",
@@ -180,10 +224,10 @@ def _bad_requests(media_dir: Path, tmp_path: Path) -> dict[str, tuple[dict, int,
 
 
 BAD_REQUESTS = ["unknown role", "tool first", "part type", "image base64", "audio base64", "broken gif",
-                "wav as image", "http image", "png as audio", "6 kHz audio", "audio format", "image tags", "context",
-                "last not user", "assistant first", "temperature", "n", "model", "format type", "schema refused",
-                "penalty", "unknown field", "top_logprobs alone", "top_logprobs 21", "tool_choice alone",
-                "unknown tool", "bad parameters"]
+                "wav as image", "http image", "image detail", "png as audio", "6 kHz audio", "audio format",
+                "image tags", "context", "last not user", "assistant first", "temperature", "n", "model",
+                "format type", "schema refused", "penalty", "unknown field", "top_logprobs alone", "top_logprobs 21",
+                "tool_choice alone", "unknown tool", "bad parameters"]
 
 
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(server, chat, media_dir, tmp_path):

@@ -26,9 +26,9 @@ class CountingDecoder(MediaDecoder):
         super().__init__()
         self.decoded: list[str] = []
 
-    def decode(self, kind, data, source):
+    def decode(self, kind, data, source, fit=None):
         self.decoded.append(source)
-        return super().decode(kind, data, source)
+        return super().decode(kind, data, source, fit)
 
 
 def _png(value: int) -> bytes:
@@ -49,6 +49,8 @@ def test_media_cache_decodes_the_same_bytes_once_and_stays_bounded():
     assert cache.held_bytes <= cache.max_bytes
     cache.decode("image", _png(1), "first again")
     assert decoder.decoded == ["first", "second", "third", "first again"]
+    cache.decode("image", _png(1), "fitted", fit=4)  # another fit, another picture
+    assert decoder.decoded[-1] == "fitted"
     with pytest.raises(ApiError, match="not valid base64"):
         MediaReader(cache).audio("***", "wav", "x")
     cache.close()

@@ -297,6 +297,43 @@ def test_chat_in_a_browser(browser, served, chat, media_dir, tmp_path):
     assert all(entry["source"] == "network" and " 401 " in entry["message"] for entry in console), console
 
 
+def test_pictures_at_low_detail(browser, served, chat, tmp_path):
+    """The Pictures setting: a photo attached at low detail is sent with detail "low" (kept with its message) and
+    answered as Chat answers it fitted to one crop."""
+    from PIL import Image
+    from selenium.webdriver.support.ui import Select
+    from skimage import data as photographs
+
+    from builder_plugin.runtime import open_image
+
+    driver = browser
+    photo = tmp_path / "photo.png"
+    Image.fromarray(photographs.astronaut()).resize((1000, 700)).save(photo)
+    with running_server(served, tmp_path) as running:
+        driver.get(f"{running.url}/")
+        wait_until(lambda: by_id(driver, "model").text == running.routes.model_id, "the model's name")
+        by_id(driver, "new-chat").click()
+        by_id(driver, "open-settings").click()
+        Select(by_id(driver, "image-detail")).select_by_value("low")
+        for element_id, value in (("max-tokens", str(TOKENS)), ("temperature", "0")):
+            by_id(driver, element_id).clear()
+            by_id(driver, element_id).send_keys(value)
+        by_id(driver, "save-settings").click()
+        by_id(driver, "attach").send_keys(str(photo))
+        wait_until(lambda: photo.name in by_id(driver, "attachments").text, "the photo attached")
+        ask(driver, "What is in this picture?")
+        question, reply = stored(driver)[0]["messages"]
+        assert question["content"][0]["image_url"]["detail"] == "low"
+        fitted = open_image(photo, fit=served.package.crop_side)
+        expected, = ask_chat(chat, [("What is in this picture?", (fitted,), ())], max_new_tokens=TOKENS)
+        assert reply["content"] == expected.text and reply["meta"]["state"] == "done"
+        assert reply["meta"]["usage"]["prompt_tokens"] == expected.prompt_tokens
+        by_id(driver, "open-settings").click()
+        assert Select(by_id(driver, "image-detail")).first_selected_option.get_attribute("value") == "low"
+        Select(by_id(driver, "image-detail")).select_by_value("")
+        by_id(driver, "save-settings").click()
+
+
 def test_errors_are_shown_with_the_answer(browser, served, tmp_path):
     """The server's OpenAI error is shown inline; the failed answer is not sent back with the next question."""
     driver = browser

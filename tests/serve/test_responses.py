@@ -75,6 +75,25 @@ def test_answer_equals_chat(server, chat, media_dir, images, audios):
     assert final.usage.input_tokens == expected.prompt_tokens
 
 
+def test_low_detail_is_the_chat_endpoints(server, media_dir, tmp_path):
+    """input_image.detail reaches the image as the chat endpoint's image_url.detail does."""
+    from PIL import Image
+    from skimage import data as photographs
+
+    photo = tmp_path / "photo.png"
+    Image.fromarray(photographs.astronaut()).resize((900, 600)).save(photo)
+    client = server.client()
+    url = f"data:image/png;base64,{b64(photo.read_bytes())}"
+    model = _model(client)
+    for detail in ("low", "high"):
+        response = client.responses.create(model=model, max_output_tokens=SHORT, input=[{"role": "user", "content": [
+            {"type": "input_image", "image_url": url, "detail": detail}, {"type": "input_text", "text": "What?"}]}])
+        chat = client.chat.completions.create(model=model, max_tokens=SHORT, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": url, "detail": detail}}, {"type": "text", "text": "What?"}]}])
+        assert response.output_text == chat.choices[0].message.content, detail
+        assert response.usage.input_tokens == chat.usage.prompt_tokens, detail
+
+
 def test_a_plain_string_input_and_sampling(server, chat):
     from builder_plugin.runtime import Sampling
 
@@ -214,6 +233,8 @@ def test_refused_by_name(server):
             ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
             ({"tools": [{"type": "function", "name": "a b"}]}, "tools[0].name"),
             ({"input": [{"role": "user", "content": [image]}]}, "input[0].content[0].file_id"),
+            ({"input": [{"role": "user", "content": [{**image, "file_id": None, "image_url": "data:,",
+                                                      "detail": "x"}]}]}, "input[0].content[0].detail"),
             ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},
              "input[0].content[0].type"),
             ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),

@@ -142,8 +142,10 @@ async function send() {
   if (recorder.recording) await toggleRecording();
   const text = $("question").value.trim();
   if (!text && !pending.length) return;
+  // a picture keeps the detail it was sent with, so its conversation reads the same each time it is sent again
+  const { imageDetail } = store.settings;
   const parts = pending.map((item) => item.kind === "image"
-    ? { type: "image_url", image_url: { url: item.url }, name: item.name }
+    ? { type: "image_url", image_url: { url: item.url, ...(imageDetail && { detail: imageDetail }) }, name: item.name }
     : { type: "input_audio", input_audio: { data: item.data, format: item.format }, name: item.name });
   const message = { role: "user", content: parts.length ? [...parts, ...(text ? [{ type: "text", text }] : [])] : text };
   const conversation = current;
@@ -316,11 +318,12 @@ async function loadModel() {
 }
 
 function openSettings() {
-  const { apiKey, system, maxTokens, temperature } = store.settings;
+  const { apiKey, system, maxTokens, temperature, imageDetail } = store.settings;
   $("api-key").value = apiKey;
   $("system-prompt").value = system;
   $("max-tokens").value = maxTokens;
   $("temperature").value = temperature;
+  $("image-detail").value = imageDetail;
   $("settings").returnValue = ""; // closed with Escape, it keeps the last value
   $("settings").showModal();
 }
@@ -328,7 +331,8 @@ function openSettings() {
 function saveSettings() {
   if ($("settings").returnValue !== "save") return;
   const settings = { apiKey: $("api-key").value.trim(), system: $("system-prompt").value,
-                     maxTokens: $("max-tokens").value.trim(), temperature: $("temperature").value.trim() };
+                     maxTokens: $("max-tokens").value.trim(), temperature: $("temperature").value.trim(),
+                     imageDetail: $("image-detail").value };
   const keyChanged = settings.apiKey !== store.settings.apiKey;
   if (!store.saveSettings(settings)) notice(STORAGE_FULL);
   if (keyChanged || !model) loadModel();

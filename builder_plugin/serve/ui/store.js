@@ -4,7 +4,7 @@
 
 const CONVERSATIONS = "builder_plugin.chat.conversations";
 const SETTINGS = "builder_plugin.chat.settings";
-const DEFAULT_SETTINGS = { apiKey: "", system: "", maxTokens: "", temperature: "" };
+const DEFAULT_SETTINGS = { apiKey: "", system: "", maxTokens: "", temperature: "", imageDetail: "" };
 
 export class Store {
   constructor(storage = window.localStorage) {

@@ -33,6 +33,22 @@ from builder_plugin.serve.structured import response_guidance
 from builder_plugin.serve.tools import Tools, call_block, parse_tools, stream_deltas
 
 ROLES = ("system", "developer", "user", "assistant", "tool")  # developer: the newer name of system
+# What a message of each role may carry; any other key is refused by name. A tool message's `name` (the function's,
+# which its tool_call_id already names) is accepted as some clients send it; participant names on the other roles are
+# refused (the model's chat format has none).
+MESSAGE_KEYS = {
+    "system": ("role", "content"),
+    "developer": ("role", "content"),
+    "user": ("role", "content"),
+    "assistant": ("role", "content", "tool_calls"),
+    "tool": ("role", "content", "tool_call_id", "name"),
+}
+# An answer's fields that clients send back with it (the openai client's message objects): accepted on an assistant
+# message when null or empty, refused with a value.
+ECHOED_KEYS = ("refusal", "annotations", "audio", "function_call")
+# What each content part may carry, and its object's keys.
+PART_KEYS = {"text": ("type", "text"), "image_url": ("type", "image_url"), "input_audio": ("type", "input_audio")}
+PART_OBJECT_KEYS = {"image_url": ("url", "detail"), "input_audio": ("data", "format")}
 MAX_STOP_STRINGS = 4
 Model = TypeVar("Model", bound=BaseModel)
 
@@ -210,6 +226,7 @@ def parse_messages(messages: Sequence[dict[str, Any]], media: MediaReader, where
         if role not in ROLES:
             raise ApiError(f"{param}.role: unsupported role {role!r} (use system, user, assistant or tool)",
                            param=f"{param}.role")
+        _message_keys(message, role, param)
         content = message.get("content")
         if role in ("system", "developer"):
             if turns or parts or results:
@@ -258,6 +275,29 @@ def _question(parts: list[str | Media], results: list[str], param: str, answer: 
         raise ApiError(f"{param}: {exc}", param=param, code="invalid_media_tags") from None
 
 
+def _message_keys(message: dict[str, Any], role: str, param: str) -> None:
+    for key, value in message.items():
+        if key in MESSAGE_KEYS[role] or (role == "assistant" and key in ECHOED_KEYS and not value):
+            continue
+        if key == "name":
+            raise ApiError(f"{param}.name: participant names are not supported (the model's chat format has none)",
+                           param=f"{param}.name", code="unsupported_parameter")
+        what = "an answer's field the model cannot take back" if key in ECHOED_KEYS else "unknown field"
+        raise ApiError(f"{param}.{key}: {what} of a {role} message", param=f"{param}.{key}",
+                       code="unsupported_parameter")
+
+
+def _part_keys(part: dict[str, Any], kind: str, param: str) -> None:
+    for key in part:
+        if key not in PART_KEYS[kind]:
+            raise ApiError(f"{param}.{key}: unknown field of a {kind} part", param=f"{param}.{key}",
+                           code="unsupported_parameter")
+    for key in part.get(kind, {}) if kind in PART_OBJECT_KEYS else ():
+        if key not in PART_OBJECT_KEYS[kind]:
+            raise ApiError(f"{param}.{kind}.{key}: unknown field of {kind}", param=f"{param}.{kind}.{key}",
+                           code="unsupported_parameter")
+
+
 def _text_only(content: Any, param: str) -> str:
     if isinstance(content, str):
         return content
@@ -266,6 +306,7 @@ def _text_only(content: Any, param: str) -> str:
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise ApiError(f"{param}.content[{j}]: only text parts are supported here", param=f"{param}.content")
+            _part_keys(part, "text", f"{param}.content[{j}]")
             texts.append(part["text"])
         return "\n".join(texts)
     raise ApiError(f"{param}.content: must be a string or a list of parts", param=f"{param}.content")
@@ -280,6 +321,8 @@ def _user_parts(content: Any, param: str, media: MediaReader) -> list[str | Medi
     for j, part in enumerate(content):
         where = f"{param}.content[{j}]"
         kind = part.get("type") if isinstance(part, dict) else None
+        if kind in PART_KEYS and isinstance(part.get(kind), dict if kind in PART_OBJECT_KEYS else str):
+            _part_keys(part, kind, where)
         if kind == "text" and isinstance(part.get("text"), str):
             parts.append(part["text"])
         elif kind == "image_url" and isinstance(part.get("image_url"), dict):

@@ -62,6 +62,23 @@ def test_multi_turn_conversation_reuses_the_held_one(server, served, chat, media
     assert served.restores_unchanged[1:] == [True, True]
 
 
+def test_answers_sent_back_as_the_client_got_them(server, chat):
+    """The openai client's own message objects go back as they came (their null refusal, audio, annotations), and a
+    tool message may name its function."""
+    client = server.client()
+    model = client.models.list().data[0].id
+    first = client.chat.completions.create(model=model, messages=[user("Hi")], max_tokens=SHORT).choices[0].message
+    for sent_back in (first, first.model_dump()):
+        got = ask_server(client, [user("Hi"), sent_back, user("Tell me more.")])
+        assert got == ask_chat(chat, [("Hi", (), ()), ("Tell me more.", (), ())])[1]
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [user("Weather in Oslo?"), {"role": "assistant", "content": None, "tool_calls": [call], "refusal": None,
+                                           "audio": None, "function_call": None, "annotations": []},
+                {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": "sunny"}]
+    without_name = [*messages[:2], {key: value for key, value in messages[2].items() if key != "name"}]
+    assert ask_server(client, messages, tools=TOOLS) == ask_server(client, without_name, tools=TOOLS)
+
+
 def test_stop_strings(server, chat):
     full, = ask_chat(chat, [("Count to ten.", (), ())], max_new_tokens=16)
     middle = len(full.text) // 2
@@ -191,6 +208,18 @@ def _bad_requests(media_dir: Path, tmp_path: Path) -> dict[str, tuple[dict, int,
         "image detail": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
             "url": f"data:image/png;base64,{b64(png)}", "detail": "medium"}}]}]}, 400, None,
             "messages[0].content[0].image_url.detail: must be one of auto, low, high, not 'medium'"),
+        "participant name": ({"messages": [{"role": "user", "content": "Hi", "name": "ann"}]}, 400,
+                             "unsupported_parameter", "messages[0].name: participant names are not supported"),
+        "message field": ({"messages": [{"role": "system", "content": "Be brief.", "weight": 2}, user("Hi")]}, 400,
+                          "unsupported_parameter", "messages[0].weight: unknown field of a system message"),
+        "echoed value": ({"messages": [user("Hi"), {"role": "assistant", "content": "Yo", "audio": {"id": "a1"}},
+                                       user("Hi")]}, 400, "unsupported_parameter",
+                         "messages[1].audio: an answer's field the model cannot take back"),
+        "part field": ({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi", "cache": 1}]}]},
+                       400, "unsupported_parameter", "messages[0].content[0].cache: unknown field of a text part"),
+        "image_url field": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {
+            "url": f"data:image/png;base64,{b64(png)}", "size": 9}}]}]}, 400, "unsupported_parameter",
+            "messages[0].content[0].image_url.size: unknown field of image_url"),
         "image tags": ({"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{b64(png)}"}},
             {"type": "text", "text": "<|image_1|> and <|image_2|>?"}]}]}, 400, "invalid_media_tags",
@@ -225,8 +254,9 @@ def _bad_requests(media_dir: Path, tmp_path: Path) -> dict[str, tuple[dict, int,
 
 BAD_REQUESTS = ["unknown role", "tool first", "part type", "image base64", "audio base64", "broken gif",
                 "wav as image", "http image", "image detail", "png as audio", "6 kHz audio", "audio format",
-                "image tags", "context", "last not user", "assistant first", "temperature", "n", "model",
-                "format type", "schema refused", "penalty", "unknown field", "top_logprobs alone", "top_logprobs 21",
+                "participant name", "message field", "echoed value", "part field", "image_url field", "image tags",
+                "context", "last not user", "assistant first", "temperature", "n", "model", "format type",
+                "schema refused", "penalty", "unknown field", "top_logprobs alone", "top_logprobs 21",
                 "tool_choice alone", "unknown tool", "bad parameters"]
 
 

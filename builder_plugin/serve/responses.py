@@ -32,6 +32,22 @@ from builder_plugin.serve.structured import response_guidance
 from builder_plugin.serve.tools import parse_tools
 
 PARTS = {"input_text": "text", "output_text": "text", "input_image": "image_url", "input_audio": "input_audio"}
+# What each input item and part may carry; any other key is refused by name. An output item sent back (the openai
+# client's objects) carries its id and status, its text parts their annotations and logprobs: accepted, not read; a
+# function_call_output may name its function, as the call it answers does. The client's models also carry the
+# ECHOED_KEYS, accepted when null or empty.
+ITEM_KEYS = {
+    "message": ("type", "role", "content", "id", "status"),
+    "function_call": ("type", "call_id", "name", "arguments", "id", "status"),
+    "function_call_output": ("type", "call_id", "output", "id", "status", "name"),
+}
+ECHOED_KEYS = ("phase", "caller", "namespace", "async", "async_")
+PART_KEYS = {
+    "input_text": ("type", "text"),
+    "output_text": ("type", "text", "annotations", "logprobs"),
+    "input_image": ("type", "image_url", "file_id", "detail"),
+    "input_audio": ("type", "input_audio"),
+}
 MESSAGE_ROLES = ("user", "system", "developer", "assistant")
 
 
@@ -135,6 +151,8 @@ def _input_messages(items: str | list[Any]) -> tuple[tuple[dict[str, Any], ...],
     for i, item in enumerate(items):
         param = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind in ITEM_KEYS:
+            _known_keys(item, ITEM_KEYS[kind], param, f"a {kind} item")
         if kind == "message":
             messages.append(_message(item, param))
             where.append(param)
@@ -177,6 +195,7 @@ def _part(part: Any, param: str) -> dict[str, Any]:
     if kind not in PARTS:
         raise ApiError(f"{param}.type: unsupported part type {kind!r} (use input_text, input_image or input_audio)",
                        param=f"{param}.type", code="unsupported_content_type")
+    _known_keys(part, PART_KEYS[kind], param, f"an {kind} part")
     if kind == "input_image":
         if part.get("file_id") is not None:
             raise ApiError(f"{param}.file_id: files are not supported; send the image in image_url (a data: URL)",
@@ -188,6 +207,13 @@ def _part(part: Any, param: str) -> dict[str, Any]:
     if kind == "input_audio":
         return {"type": "input_audio", "input_audio": part.get("input_audio")}
     return {"type": "text", "text": part.get("text")}
+
+
+def _known_keys(value: dict[str, Any], keys: tuple[str, ...], param: str, what: str) -> None:
+    for key, field in value.items():
+        if key not in keys and not (key in ECHOED_KEYS and not field):
+            raise ApiError(f"{param}.{key}: unknown field of {what}", param=f"{param}.{key}",
+                           code="unsupported_parameter")
 
 
 def _function_call(item: dict[str, Any], param: str) -> dict[str, Any]:

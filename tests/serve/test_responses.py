@@ -94,6 +94,21 @@ def test_low_detail_is_the_chat_endpoints(server, media_dir, tmp_path):
         assert response.usage.input_tokens == chat.usage.prompt_tokens, detail
 
 
+def test_output_items_sent_back_as_the_client_got_them(server):
+    """A response's output items go back as the openai client holds them (its objects, or their model_dump with
+    every field): the same answer as their text sent as an assistant message."""
+    client = server.client()
+    model = _model(client)
+    first = client.responses.create(model=model, input="Hi", max_output_tokens=SHORT, store=False)
+    plain = client.responses.create(model=model, max_output_tokens=SHORT, store=False, input=[
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "Tell me more."}])
+    for sent_back in (first.output, [item.model_dump() for item in first.output]):
+        again = client.responses.create(model=model, max_output_tokens=SHORT, store=False, input=[
+            {"role": "user", "content": "Hi"}, *sent_back, {"role": "user", "content": "Tell me more."}])
+        assert again.output_text == plain.output_text
+
+
 def test_a_plain_string_input_and_sampling(server, chat):
     from builder_plugin.runtime import Sampling
 
@@ -233,6 +248,11 @@ def test_refused_by_name(server):
             ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
             ({"tools": [{"type": "function", "name": "a b"}]}, "tools[0].name"),
             ({"input": [{"role": "user", "content": [image]}]}, "input[0].content[0].file_id"),
+            ({"input": [{"role": "user", "content": "Hi", "name": "ann"}]}, "input[0].name"),
+            ({"input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi", "cache": 1}]}]},
+             "input[0].content[0].cache"),
+            ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x", "caller": "me"}]},
+             "input[0].caller"),
             ({"input": [{"role": "user", "content": [{**image, "file_id": None, "image_url": "data:,",
                                                       "detail": "x"}]}]}, "input[0].content[0].detail"),
             ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]},

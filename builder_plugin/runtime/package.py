@@ -178,6 +178,7 @@ class Package:
         if not config_path.is_file():
             raise PackageError(f"not a model package (no {GENAI_CONFIG_FILE}): {self.dir}")
         try:
+            self.built_at = int(config_path.stat().st_mtime)  # when the package was written (Unix seconds)
             self.genai_config = json.loads(config_path.read_text(encoding="utf-8"))
             model = self.genai_config["model"]
             self.main_decoder: str = model["decoder"]["filename"]
@@ -185,7 +186,7 @@ class Package:
             self.vocab_size = int(model["vocab_size"])
             configured = int(self.genai_config.get("search", {}).get("max_length") or self.context_length)
             self.manifest = Manifest.read(self.dir, self.main_decoder)
-        except (ValueError, KeyError, TypeError) as exc:
+        except (OSError, ValueError, KeyError, TypeError) as exc:
             raise PackageError(f"cannot read the package configuration in {self.dir}: {exc}") from exc
         self.has_speech = bool(model.get("speech", {}).get("filename"))
         self.crop_side = crop_side(self.dir, model)

@@ -214,7 +214,7 @@ class Server:
         return self.package.load(self.package.main_decoder).tokens.tool_call is not None
 
     def _model_card(self) -> dict[str, Any]:
-        return {"id": self.model_id, "object": "model", "created": 0, "owned_by": "builder_plugin",
+        return {"id": self.model_id, "object": "model", "created": self.package.built_at, "owned_by": "builder_plugin",
                 "max_tokens": self.max_tokens or self.package.max_length, "max_length": self.package.max_length}
 
     async def _read_body(self, request: Request) -> bytes:

@@ -118,7 +118,8 @@ def test_default_answer_cap(served, chat, tmp_path):
 def test_models_and_health(server, package):
     client = server.client()
     assert [m.id for m in client.models.list().data] == [package.name]
-    assert client.models.retrieve(package.name).id == package.name
+    card = client.models.retrieve(package.name)
+    assert card.id == package.name and card.created == int((package / "genai_config.json").stat().st_mtime)
     health = httpx.get(f"{server.url}/health").json()
     assert health["status"] == "ok" and health["model"] == package.name and not health["busy"]
 

@@ -40,6 +40,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("package", help="folder of the built package (with genai_config.json)")
     p.add_argument("--image", action="append", default=[], metavar="PATH",
                    help="image for the first question (repeatable)")
+    p.add_argument("--low-detail", action="store_true",
+                   help="read images at low detail: each scaled down to one crop of the model's (448 pixels a side), "
+                        "answered many times sooner on a CPU than a large photo's every detail")
     p.add_argument("--audio", action="append", default=[], metavar="PATH",
                    help="audio clip for the first question (repeatable)")
     p.add_argument("--prompt", metavar="TEXT", help="ask this one question, print the answer and exit")
@@ -59,10 +62,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.max_new_tokens < 1:
         return _error("--max-new-tokens must be at least 1")
     try:
-        images = [runtime.open_image(p) for p in args.image]
-        audios = [runtime.open_audio(p) for p in args.audio]
         chat = runtime.Chat(args.package, max_length=args.max_length, execution_provider=args.execution_provider,
                             system=args.system, threads=args.threads)
+        fit = chat.package.crop_side if args.low_detail else None
+        images = [runtime.open_image(p, fit=fit) for p in args.image]
+        audios = [runtime.open_audio(p) for p in args.audio]
         if args.prompt is not None:
             return ask_once(chat, args.prompt, images, audios, args.max_new_tokens)
     except runtime.ChatError as exc:
@@ -70,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
-    return interactive(chat, images, audios, args.max_new_tokens)
+    return interactive(chat, images, audios, args.max_new_tokens, fit)
 
 
 def ask_once(chat: runtime.Chat, text: str, images: list[Media], audios: list[Media], max_new_tokens: int) -> int:
@@ -83,7 +87,8 @@ def ask_once(chat: runtime.Chat, text: str, images: list[Media], audios: list[Me
     return 0
 
 
-def interactive(chat: runtime.Chat, images: list[Media], audios: list[Media], max_new_tokens: int) -> int:
+def interactive(chat: runtime.Chat, images: list[Media], audios: list[Media], max_new_tokens: int,
+                fit: int | None = None) -> int:
     print(f"Chatting with {chat.package_dir}. Type a question, or /help.")
     _show_attached(images, audios)
     while True:
@@ -114,7 +119,7 @@ def interactive(chat: runtime.Chat, images: list[Media], audios: list[Media], ma
                     continue
                 try:
                     if command == "/image":
-                        images.append(runtime.open_image(argument))
+                        images.append(runtime.open_image(argument, fit=fit))
                     else:
                         audios.append(runtime.open_audio(argument))
                 except runtime.ChatError as exc:

@@ -51,6 +51,26 @@ def test_prompt_mode_with_image_and_audio(package, media_dir, reference):
     assert result.stdout == expected.text + "\n"
 
 
+def test_low_detail_reads_an_image_as_one_crop(package, tiny_checkpoint, tmp_path):
+    import json
+
+    from PIL import Image
+    from skimage import data as photographs
+
+    photo = tmp_path / "photo.png"
+    Image.fromarray(photographs.astronaut()).resize((1000, 700)).save(photo)
+    config = json.loads((tiny_checkpoint / "config.json").read_text())
+    fitted = open_image(photo, fit=config["embd_layer"]["image_embd_layer"]["crop_size"])
+    prompt = build_prompt([Turn("What is this?", (fitted,), ())])
+    expected = generate(package, prompt, [fitted], [], max_new_tokens=4)
+    low = run_chat(package, "--prompt", "What is this?", "--image", photo, "--low-detail", "--max-new-tokens", 4)
+    assert low.returncode == 0, low.stderr
+    assert int(STATS.search(low.stderr)[2]) == expected.inputs[INPUT_IDS].shape[1]
+    assert low.stdout == expected.text + "\n"
+    whole = run_chat(package, "--prompt", "What is this?", "--image", photo, "--max-new-tokens", 4)
+    assert int(STATS.search(whole.stderr)[2]) > 2 * expected.inputs[INPUT_IDS].shape[1]
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--image", "{tmp}/missing.png"], r"error: image file not found: .*missing\.png"),
     (["--audio", "{tmp}/missing.wav"], r"error: audio file not found: .*missing\.wav"),

@@ -1,10 +1,12 @@
 """Prompts as an app meets them, through builder_plugin.runtime.Chat: a 512-token text prompt, a one-image question
 (448x448: the global view and one crop, about 550 tokens) and a 30-second clip, each asked in a fresh process on a
 package with the project's kernel library and without it (onnxruntime's own MatMulNBits, today's default before the
-library), taking turns.
+library), taking turns. Not by default: a 2048x1536 photo, whole (the processor's 12 crops and the global view) and
+at low detail (open_image's fit to one crop, the server's detail "low").
 
     python -m benchmarks.bench_prompt PKG [--rounds 2] [--asks 2] [--new-tokens 16] [--prompts text-512,image,audio-30s]
                                           [--kernels library,library-vnni,onnxruntime]
+    python -m benchmarks.bench_prompt PKG --prompts photo-low,photo --kernels library --rounds 1
     python -m benchmarks.bench_prompt --from-json benchmarks/results/prompt.json   # redo the report
 
 Reported per prompt and kernel, best / median over the rounds: time to the first token (question asked to first
@@ -12,7 +14,8 @@ piece of the answer: processor, encoders, embedding and the decoder's prefill; t
 the next one, a new conversation, apart), prefill tokens/s (prompt tokens / that time), decode tokens/s (the answer's
 later tokens), the process' resident memory after the package loaded and at its peak, and the load time. Every row
 notes the machine's load average (other jobs share the cores: background load only ever slows a run down).
-Results: benchmarks/results/prompt.json and the "Prompts through Chat" section of docs/benchmarks.md.
+Results: benchmarks/results/prompt.json and the "Prompts through Chat" section of docs/benchmarks.md; the photo's
+(asked alone) in prompt_photo.json and "A large photo through Chat, whole and at low detail".
 """
 
 from __future__ import annotations
@@ -42,8 +45,11 @@ from benchmarks.common import (
     per_machine_class,
 )
 from builder_plugin.kernels import level as library_level
+from builder_plugin.testing.media import make_image
 
-HEADING = per_machine_class("## Prompts through Chat")
+HEADINGS = {"prompts": per_machine_class("## Prompts through Chat"),
+            "photo": per_machine_class("## A large photo through Chat, whole and at low detail")}
+PHOTO_PROMPTS = ("photo", "photo-low")  # measured apart: their own section and results file
 # What each kernel setting sets: the run time's default (the library where it helps), the library with the paths of a
 # CPU with AVX-512 VNNI and BF16 but no AMX, the library held to its in-place int8 path for every row count,
 # onnxruntime's own kernels.
@@ -52,15 +58,20 @@ KERNELS = {"library": {"BUILDER_PLUGIN_KERNELS": "1"},
            "library-avx512": {"BUILDER_PLUGIN_KERNELS": "1", "BUILDER_PLUGIN_OPS_PATH": "avx512"},
            "onnxruntime": {"BUILDER_PLUGIN_KERNELS": "0"}}
 IMAGE_SIZE = (448, 448)
+PHOTO_SIZE = (2048, 1536)
 AUDIO_SECONDS = 30.0
 TEXT_TOKENS = 512
 STORY = ("The lighthouse keeper counted the ships that passed in the storm and wrote each name she could read into "
          "a small blue book, with the hour, the wind and the colour of the sea. ")
+# name -> (question, image file, audio file, image fit to one crop)
 PROMPTS = {
-    "text-512": ("Summarise the notes above in three sentences.", False, False),
-    "image": ("Describe the picture in detail.", True, False),
-    "audio-30s": ("Transcribe the audio clip.", False, True),
+    "text-512": ("Summarise the notes above in three sentences.", None, None, False),
+    "image": ("Describe the picture in detail.", "photo.png", None, False),
+    "audio-30s": ("Transcribe the audio clip.", None, "clip.wav", False),
+    "photo": ("Describe the picture in detail.", "photo-2048.png", None, False),
+    "photo-low": ("Describe the picture in detail.", "photo-2048.png", None, True),
 }
+DEFAULT_PROMPTS = ["text-512", "image", "audio-30s"]
 
 
 def text_prompt(chat: Any, question: str, tokens: int) -> str:
@@ -72,26 +83,28 @@ def text_prompt(chat: Any, question: str, tokens: int) -> str:
 
 
 def worker(package: str, prompt: str, media: str, asks: int, new_tokens: int) -> dict[str, Any]:
-    from builder_plugin.runtime import Chat, Sampling
+    from builder_plugin.runtime import Chat, Sampling, open_image
 
     started = time.perf_counter()
     chat = Chat(package)
-    question, with_image, with_audio = PROMPTS[prompt]
-    chat.package.load(chat.next_variant([Path(media) / "photo.png"] if with_image else [],
-                                        [Path(media) / "clip.wav"] if with_audio else []))
+    question, image, audio, low_detail = PROMPTS[prompt]
+    images = [Path(media) / image] if image else []
+    audios = [Path(media) / audio] if audio else []
+    chat.package.load(chat.next_variant(images, audios))
     load_s = time.perf_counter() - started
     rss_after_load = current_rss_bytes()
     if prompt.startswith("text"):
         question = text_prompt(chat, question, TEXT_TOKENS)
-    images = [Path(media) / "photo.png"] if with_image else []
-    audios = [Path(media) / "clip.wav"] if with_audio else []
     runs = []
     for _ in range(asks):
         chat.clear()
-        for _ in chat.ask(question, images, audios, max_new_tokens=new_tokens, sampling=Sampling()):
+        fitting = time.perf_counter()  # the fit is part of the wait (Chat decodes the files of a whole photo itself)
+        asked = [open_image(path, fit=chat.package.crop_side) for path in images] if low_detail else images
+        fitting = time.perf_counter() - fitting if low_detail else 0.0
+        for _ in chat.ask(question, asked, audios, max_new_tokens=new_tokens, sampling=Sampling()):
             pass
         stats = chat.last_stats
-        runs.append({"prompt_tokens": stats.prompt_tokens, "ttft_s": stats.time_to_first_token_s,
+        runs.append({"prompt_tokens": stats.prompt_tokens, "ttft_s": fitting + stats.time_to_first_token_s,
                      "decode_tokens_per_s": stats.tokens_per_s, "new_tokens": stats.new_tokens})
     return {"load_s": load_s, "rss_after_load_bytes": rss_after_load, "peak_rss_bytes": peak_rss_bytes(),
             "runs": runs, "load_average": os.getloadavg()[0]}
@@ -115,6 +128,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     results: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory(prefix="bench-prompt-") as folder:
         media = make_media(Path(folder), IMAGE_SIZE, AUDIO_SECONDS)
+        if set(PHOTO_PROMPTS) & set(args.prompts):
+            make_image(media / "photo-2048.png", *PHOTO_SIZE, seed=5)
         for round_index in range(args.rounds):
             order = args.kernels if round_index % 2 == 0 else args.kernels[::-1]
             for prompt in args.prompts:
@@ -170,19 +185,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--asks", type=int, default=2, help="questions per process (the first pays warm-up)")
     parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--prompts", type=names_from(list(PROMPTS), "prompt"), default=list(PROMPTS))
+    parser.add_argument("--prompts", type=names_from(list(PROMPTS), "prompt"), default=DEFAULT_PROMPTS,
+                        help=f"from: {', '.join(PROMPTS)} (default: {','.join(DEFAULT_PROMPTS)})")
     parser.add_argument("--kernels", type=names_from(list(KERNELS), "kernel setting"),
                         default=["library", "onnxruntime"], help=f"from: {', '.join(KERNELS)}")
     add_report_options(parser, "prompt.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if set(args.prompts) <= set(PHOTO_PROMPTS) and args.out == parser.get_default("out"):
+        args.out = args.out.with_name("prompt_photo.json")
     if args.worker:
         job = json.loads(args.worker)
         print(json.dumps(worker(job["package"], job["prompt"], job["media"], job["asks"], job["new_tokens"])))
         return 0
     if not args.from_json and args.package is None:
         parser.error("give the package folder (or --from-json)")
-    return measure_or_replay(args, argv, "bench_prompt.py", HEADING, run, report)
+    heading = lambda results: HEADINGS[  # noqa: E731
+        "photo" if set(results["prompts"]) <= set(PHOTO_PROMPTS) else "prompts"](results)
+    return measure_or_replay(args, argv, "bench_prompt.py", heading, run, report)
 
 
 if __name__ == "__main__":

@@ -53,6 +53,10 @@ def make_parser() -> argparse.ArgumentParser:
                    help="largest request body in MB; larger ones get 413 (default: %(default)s)")
     p.add_argument("--allow-local-files", action="store_true",
                    help="accept file:// image URLs (paths on this machine)")
+    p.add_argument("--image-detail", choices=defaults.IMAGE_DETAILS_FOR_AUTO, default=defaults.IMAGE_DETAIL,
+                   help="the detail of an image whose request leaves it to the server (detail \"auto\", or none): "
+                   "high sends it whole (up to 36 crops of the model's: minutes on a CPU for a large photo), low "
+                   "fits it to one crop (seconds) (default: %(default)s)")
     p.add_argument("--media-cache-mb", type=float, default=defaults.MEDIA_CACHE_MB, metavar="N",
                    help="decoded images and clips kept in memory, so a conversation sent again is not decoded again "
                    "(nothing a client sends is written to disk), in MB (default: %(default)s)")
@@ -154,7 +158,7 @@ def serve(args: argparse.Namespace) -> int:
                             max_tokens=args.max_tokens,
                             max_conversations=args.max_conversations, kv_budget_bytes=budget, api_keys=api_keys,
                             ui=args.ui, allowed_origins=origins, log_requests=args.verbose,
-                            stored_responses=args.stored_responses)
+                            stored_responses=args.stored_responses, image_detail=args.image_detail)
             # -v: the request log's lines replace uvicorn's access log
             server = StoppableServer(uvicorn.Config(routes.app(), log_level="debug" if args.verbose else "info",
                                                     access_log=not args.verbose,

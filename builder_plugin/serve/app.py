@@ -65,13 +65,14 @@ class Server:
                  max_tokens: int | None = None, max_conversations: int = defaults.MAX_CONVERSATIONS,
                  kv_budget_bytes: int | None = None, api_keys: Sequence[str] = (), ui: bool = True,
                  allowed_origins: Sequence[str] = (), log_requests: bool = False,
-                 stored_responses: int = defaults.STORED_RESPONSES,
+                 stored_responses: int = defaults.STORED_RESPONSES, image_detail: str = defaults.IMAGE_DETAIL,
                  new_chat: Callable[[Package], Chat] = Chat) -> None:
         self.package = package
         self.model_id = model_id or package.dir.resolve().name
         self.media_cache = media_cache
         self.max_body_bytes = max_body_bytes
         self.allow_local_files = allow_local_files
+        self.image_detail = image_detail  # what an image's detail "auto" (or none) means
         self.max_tokens = max_tokens  # of a request without max_tokens (None: up to the maximum length)
         budget = kv_budget_bytes or default_kv_budget(package, max_conversations, available_memory())
         self.pool = ConversationPool(package, max_conversations, budget, new_chat)
@@ -178,7 +179,7 @@ class Server:
         if parsed.tools is not None and not await run_in_threadpool(self._has_tool_tokens):
             raise ApiError(f"tools: this model's tokenizer has no tool-call tokens ({TOOL_CALL_OPEN}, "
                            f"{TOOL_CALL_CLOSE}), so it cannot call tools", param="tools", code="tools_not_supported")
-        media = MediaReader(self.media_cache, self.allow_local_files, self.package.crop_side)
+        media = MediaReader(self.media_cache, self.allow_local_files, self.package.crop_side, self.image_detail)
         exchange = await run_in_threadpool(parse_messages, messages, media, where, parsed.prompt_field)
         if exchange.has_audio and not self.package.has_speech:
             raise ApiError("this model has no speech encoder, so it cannot take audio", param=parsed.prompt_field,

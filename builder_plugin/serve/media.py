@@ -14,11 +14,13 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from builder_plugin.media import Media, MediaDecoder, MediaError, MediaNotFoundError
+from builder_plugin.serve import defaults
 from builder_plugin.serve.errors import ApiError, shutting_down
 
 AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg")  # input_audio.format: the content decides how it is decoded
 # image_url.detail: "low" fits the image to one crop of the model's (a photo's answer starts several times sooner);
-# "auto" and "high" give it whole, as the model's processor tiles it (up to 36 crops and the global view)
+# "high" gives it whole, as the model's processor tiles it (up to 36 crops and the global view); "auto" (or none) is
+# what the server's --image-detail says (defaults.IMAGE_DETAIL)
 IMAGE_DETAILS = ("auto", "low", "high")
 _CODES = {"image": "invalid_image_format", "audio": "invalid_audio_format"}
 
@@ -72,15 +74,20 @@ class MediaCache:
 class MediaReader:
     """Turns the media parts of one request into Media named by their place in the request (for error messages)."""
 
-    def __init__(self, cache: MediaCache, allow_local_files: bool = False, crop_side: int | None = None) -> None:
+    def __init__(self, cache: MediaCache, allow_local_files: bool = False, crop_side: int | None = None,
+                 auto_detail: str = defaults.IMAGE_DETAIL) -> None:
+        if auto_detail not in defaults.IMAGE_DETAILS_FOR_AUTO:
+            raise ValueError(f"auto_detail must be one of {', '.join(defaults.IMAGE_DETAILS_FOR_AUTO)}, "
+                             f"not {auto_detail!r}")
         self.cache = cache
         self.allow_local_files = allow_local_files
         self.crop_side = crop_side  # what detail "low" fits an image to: one crop of the package's vision processor
+        self.auto_detail = auto_detail  # what "auto", or no detail, means
 
     def image(self, url: object, param: str, detail: object = None) -> Media:
         """The image of an image_url part (`param`), as its `detail` asks."""
         check_detail(detail, f"{param}.detail")
-        fit = self.crop_side if detail == "low" else None
+        fit = self.crop_side if (detail or "auto").replace("auto", self.auto_detail) == "low" else None
         if not isinstance(url, str):
             raise ApiError(f"{param}: the image URL must be a string", param=param)
         if url.startswith("file:"):

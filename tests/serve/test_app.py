@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from builder_plugin.runtime import ChatError, Sampling
+from builder_plugin.serve.__main__ import make_parser
 from builder_plugin.serve.app import MB
 from builder_plugin.testing.media import make_wav
 from tests.support.serving import (
@@ -173,6 +174,12 @@ def test_low_detail_fits_a_photo_to_one_crop(server, served, chat, tiny_checkpoi
     assert whole.prompt_tokens > 2 * low.prompt_tokens
     for detail in ("high", "auto", None):
         assert ask_server(server.client(), message(detail), stream=stream) == whole, detail
+    # --image-detail low: what "auto" and no detail mean; "high" still sends the image whole
+    assert make_parser().parse_args(["pkg", "--image-detail", "low"]).image_detail == "low"
+    with running_server(served, tmp_path, image_detail="low") as lowering:
+        for detail in ("auto", None):
+            assert ask_server(lowering.client(), message(detail), stream=stream) == low, detail
+        assert ask_server(lowering.client(), message("high"), stream=stream) == whole
 
 
 def _bad_requests(media_dir: Path, tmp_path: Path) -> dict[str, tuple[dict, int, str | None, str]]:

@@ -1,7 +1,7 @@
 """Prompts as an app meets them, through builder_plugin.runtime.Chat: a 512-token text prompt, a one-image question
 (448x448: the global view and one crop, about 550 tokens) and a 30-second clip, each asked in a fresh process on a
 package with the project's kernel library and without it (onnxruntime's own MatMulNBits, today's default before the
-library), taking turns. Not by default: a 2048x1536 photo, whole (the processor's 12 crops and the global view) and
+library), taking turns. Not by default: a 2048x1536 photo, whole (the processor's 20 crops and the global view) and
 at low detail (open_image's fit to one crop, the server's detail "low").
 
     python -m benchmarks.bench_prompt PKG [--rounds 2] [--asks 2] [--new-tokens 16] [--prompts text-512,image,audio-30s]
@@ -192,8 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     add_report_options(parser, "prompt.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if set(args.prompts) <= set(PHOTO_PROMPTS) and args.out == parser.get_default("out"):
-        args.out = args.out.with_name("prompt_photo.json")
+    if args.out == parser.get_default("out"):  # a replay rewrites its own file; the photo measures into its own
+        if args.from_json:
+            args.out = args.from_json
+        elif set(args.prompts) <= set(PHOTO_PROMPTS):
+            args.out = args.out.with_name("prompt_photo.json")
     if args.worker:
         job = json.loads(args.worker)
         print(json.dumps(worker(job["package"], job["prompt"], job["media"], job["asks"], job["new_tokens"])))

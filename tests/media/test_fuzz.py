@@ -1,8 +1,9 @@
 """Broken and hostile media, through a real server process and through Chat: real photographs and speech in every
 accepted format, cut at random offsets, with bytes flipped in the header and the body, with header fields that lie,
 and decompression bombs (tests/support/media_corpus). The server answers each request within seconds (400 naming the
-part, or 200 where Pillow or libsndfile can still read the file), stays up and answers /health, and writes nothing
-to disk; Chat raises its own error for every file it refuses.
+part, or 200 where Pillow or libsndfile can still read the file, or context_length_exceeded where what they read is
+too large for a conversation), stays up and answers /health, and writes nothing to disk; Chat raises its own error
+for every file it refuses.
 
 The cuts and flips change with every run; MEDIA_FUZZ_SEED=N repeats a run (each test prints its seed)."""
 
@@ -17,7 +18,7 @@ from collections import Counter
 import httpx
 import pytest
 
-from builder_plugin.runtime import Chat, UnsupportedMediaError
+from builder_plugin.runtime import Chat, PromptTooLongError, UnsupportedMediaError
 from tests.support.media_corpus import Sample, hostile_corpus
 from tests.support.server_process import server_process
 from tests.support.temp import our_files
@@ -51,7 +52,12 @@ def test_the_server_answers_every_broken_file_and_keeps_serving(tiny_package, co
             slowest = max(slowest, (took, sample.name))
             assert reply.status_code in (200, 400), (sample.name, reply.status_code, reply.text)
             assert took < ANSWER_WITHIN_S, (sample.name, took)
-            if reply.status_code == 400:
+            if reply.status_code == 400 and reply.json()["error"]["code"] == "context_length_exceeded":
+                # read, and larger than the conversation may be (a flipped size field can make a big, valid image)
+                error = reply.json()["error"]
+                assert error["param"] == "messages" and "\n" not in error["message"], (sample.name, error)
+                statuses["400 the prompt is too long"] += 1
+            elif reply.status_code == 400:
                 error = reply.json()["error"]
                 part = "image_url" if sample.kind == "image" else "input_audio"
                 assert error["param"] == f"messages[0].content[1].{part}", (sample.name, error)
@@ -83,6 +89,8 @@ def test_chat_refuses_every_unreadable_file_with_its_own_error(tiny_package, cor
         except UnsupportedMediaError as exc:
             assert str(exc).startswith(f"cannot read {sample.kind} {path}: ") and "\n" not in str(exc), sample.name
             outcomes["refused"] += 1
+        except PromptTooLongError:  # read, and larger than the conversation may be
+            outcomes["too long"] += 1
         else:
             answer.close()  # the prompt was processed; nothing is generated
             outcomes["read"] += 1

@@ -256,19 +256,18 @@ class Package:
 
 def crop_side(package_dir: Path, model: dict[str, Any]) -> int | None:
     """The pixels a side of one crop of the package's vision processor (its dynamic HD transform tiles an image with
-    such crops, and an image that fits one is read as that crop and the global view); None without a vision model."""
+    such crops, and an image that fits one is read as that crop and the global view); None without a vision model,
+    or where its processor does not say (a package of another builder: onnxruntime-genai reads it, not this)."""
     name = model.get("vision", {}).get("config_filename")
     if not name:
         return None
-    path = package_dir / name
     try:
-        transforms = json.loads(path.read_text(encoding="utf-8"))["processor"]["transforms"]
-        for transform in transforms:
-            if transform["operation"]["type"] == "Phi4VisionDynamicPreprocess":
-                return int(transform["operation"]["attrs"]["dyhd_base_resolution"])
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise PackageError(f"cannot read the vision processor's crop size in {path}: {exc}") from exc
-    raise PackageError(f"cannot read the vision processor's crop size in {path}: no Phi4VisionDynamicPreprocess")
+        transforms = json.loads((package_dir / name).read_text(encoding="utf-8"))["processor"]["transforms"]
+        sides = [int(t["operation"]["attrs"]["dyhd_base_resolution"]) for t in transforms
+                 if t["operation"]["type"] == "Phi4VisionDynamicPreprocess"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return sides[0] if sides and sides[0] > 0 else None
 
 
 def og_model(package_dir: str | Path, threads: int | None = None, kernels: bool | None = None) -> Any:

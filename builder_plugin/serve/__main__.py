@@ -147,6 +147,8 @@ def serve(args: argparse.Namespace) -> int:
     with interrupting_signals():  # stopped while loading: main() returns 130, nothing is left behind
         package = Package(args.package, max_length=args.max_length, execution_provider=args.execution_provider,
                           threads=args.threads)
+        if args.image_detail == "low" and package.crop_side is None and package.genai_config["model"].get("vision"):
+            raise ValueError("--image-detail low: this package's vision processor does not give its crop size")
         package.load(package.variant_for(has_image=False, has_audio=False))  # the first request does not wait for it
         listener = socket.create_server((args.host, args.port))
         host, port = listener.getsockname()[:2]

@@ -87,7 +87,11 @@ class MediaReader:
     def image(self, url: object, param: str, detail: object = None) -> Media:
         """The image of an image_url part (`param`), as its `detail` asks."""
         check_detail(detail, f"{param}.detail")
-        fit = self.crop_side if (detail or "auto").replace("auto", self.auto_detail) == "low" else None
+        low = (detail or "auto").replace("auto", self.auto_detail) == "low"
+        if low and self.crop_side is None:
+            raise ApiError(f"{param}.detail: low detail is not available (this package's vision processor does not "
+                           "give its crop size)", param=f"{param}.detail", code="unsupported_parameter")
+        fit = self.crop_side if low else None
         if not isinstance(url, str):
             raise ApiError(f"{param}: the image URL must be a string", param=param)
         if url.startswith("file:"):

@@ -62,10 +62,17 @@ def test_a_fit_to_the_packages_crop_gives_the_model_one_crop(tiny_package, tiny_
     from skimage import data as photographs
 
     from builder_plugin.runtime import Package
+    from builder_plugin.runtime.package import crop_side
 
     config = json.loads((tiny_checkpoint / "config.json").read_text())
     crop = config["embd_layer"]["image_embd_layer"]["crop_size"]
     assert Package(tiny_package).crop_side == crop
+    # another builder's processor, or none: no crop size, and the package still opens
+    other = tmp_path / "vision_processor.json"
+    other.write_text(json.dumps({"processor": {"transforms": [{"operation": {"type": "Resize", "attrs": {}}}]}}))
+    assert crop_side(tmp_path, {"vision": {"config_filename": other.name}}) is None
+    assert crop_side(tmp_path, {"vision": {"config_filename": "missing.json"}}) is None
+    assert crop_side(tmp_path, {}) is None
     photo = tmp_path / "photo.jpg"
     Image.fromarray(photographs.astronaut()).resize((1200, 800)).save(photo)
     fitted = open_image(photo, fit=crop)

@@ -80,3 +80,18 @@ def test_local_files_are_decoded_like_sent_ones(media_dir, tmp_path):
         reader.image((tmp_path / "nothing.png").as_uri(), "url")
     assert reader.image((media_dir / IMAGE).as_uri(), "url").source == "url"
     reader.cache.close()
+
+
+def test_low_detail_needs_the_packages_crop_size(media_dir):
+    """A package whose vision processor gives no crop size (another builder's) cannot fit an image: detail "low" is
+    refused naming the field, whether the request or the server's --image-detail asked for it."""
+    url = "data:image/png;base64," + b64((media_dir / IMAGE).read_bytes())
+    cache = MediaCache(MediaDecoder(), MB)
+    for reader, detail in ((MediaReader(cache), "low"), (MediaReader(cache, auto_detail="low"), None)):
+        with pytest.raises(ApiError, match=r"^part.detail: low detail is not available") as refused:
+            reader.image(url, "part", detail)
+        assert refused.value.param == "part.detail"
+    assert MediaReader(cache).image(url, "part", "high").kind == "image"
+    with pytest.raises(ValueError, match="auto_detail must be one of high, low"):
+        MediaReader(cache, auto_detail="auto")
+    cache.close()

@@ -275,27 +275,32 @@ def _question(parts: list[str | Media], results: list[str], param: str, answer: 
         raise ApiError(f"{param}: {exc}", param=param, code="invalid_media_tags") from None
 
 
+def refuse_unknown_keys(value: dict[str, Any], keys: Sequence[str], param: str, what: str,
+                        echoed: Sequence[str] = ()) -> None:
+    """Raises ApiError naming the first key of `value` (an object of the request at `param`) that is not in `keys`;
+    one in `echoed` passes when null or empty."""
+    for key, field in value.items():
+        if key not in keys and not (key in echoed and not field):
+            raise ApiError(f"{param}.{key}: unknown field of {what}", param=f"{param}.{key}",
+                           code="unsupported_parameter")
+
+
 def _message_keys(message: dict[str, Any], role: str, param: str) -> None:
-    for key, value in message.items():
-        if key in MESSAGE_KEYS[role] or (role == "assistant" and key in ECHOED_KEYS and not value):
-            continue
-        if key == "name":
-            raise ApiError(f"{param}.name: participant names are not supported (the model's chat format has none)",
-                           param=f"{param}.name", code="unsupported_parameter")
-        what = "an answer's field the model cannot take back" if key in ECHOED_KEYS else "unknown field"
-        raise ApiError(f"{param}.{key}: {what} of a {role} message", param=f"{param}.{key}",
-                       code="unsupported_parameter")
+    if "name" in message and "name" not in MESSAGE_KEYS[role]:
+        raise ApiError(f"{param}.name: participant names are not supported (the model's chat format has none)",
+                       param=f"{param}.name", code="unsupported_parameter")
+    echoed = ECHOED_KEYS if role == "assistant" else ()
+    for key in echoed:
+        if message.get(key):
+            raise ApiError(f"{param}.{key}: an answer's {key} cannot be sent back to this model (send it null or "
+                           "leave it out)", param=f"{param}.{key}", code="unsupported_parameter")
+    refuse_unknown_keys(message, MESSAGE_KEYS[role], param, f"a {role} message", echoed)
 
 
 def _part_keys(part: dict[str, Any], kind: str, param: str) -> None:
-    for key in part:
-        if key not in PART_KEYS[kind]:
-            raise ApiError(f"{param}.{key}: unknown field of a {kind} part", param=f"{param}.{key}",
-                           code="unsupported_parameter")
-    for key in part.get(kind, {}) if kind in PART_OBJECT_KEYS else ():
-        if key not in PART_OBJECT_KEYS[kind]:
-            raise ApiError(f"{param}.{kind}.{key}: unknown field of {kind}", param=f"{param}.{kind}.{key}",
-                           code="unsupported_parameter")
+    refuse_unknown_keys(part, PART_KEYS[kind], param, f"a {kind} part")
+    if kind in PART_OBJECT_KEYS:
+        refuse_unknown_keys(part[kind], PART_OBJECT_KEYS[kind], f"{param}.{kind}", kind)
 
 
 def _text_only(content: Any, param: str) -> str:

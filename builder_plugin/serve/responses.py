@@ -27,7 +27,7 @@ from builder_plugin.serve.errors import ApiError
 from builder_plugin.serve.events import Collected, Finished, Piece, ToolCalls, sse
 from builder_plugin.serve.fields import RESPONSES
 from builder_plugin.serve.media import check_detail
-from builder_plugin.serve.protocol import ChatRequest, RequestFields, Writer, read_request
+from builder_plugin.serve.protocol import ChatRequest, RequestFields, Writer, read_request, refuse_unknown_keys
 from builder_plugin.serve.structured import response_guidance
 from builder_plugin.serve.tools import parse_tools
 
@@ -152,7 +152,7 @@ def _input_messages(items: str | list[Any]) -> tuple[tuple[dict[str, Any], ...],
         param = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
         if kind in ITEM_KEYS:
-            _known_keys(item, ITEM_KEYS[kind], param, f"a {kind} item")
+            refuse_unknown_keys(item, ITEM_KEYS[kind], param, f"a {kind} item", ECHOED_KEYS)
         if kind == "message":
             messages.append(_message(item, param))
             where.append(param)
@@ -195,7 +195,7 @@ def _part(part: Any, param: str) -> dict[str, Any]:
     if kind not in PARTS:
         raise ApiError(f"{param}.type: unsupported part type {kind!r} (use input_text, input_image or input_audio)",
                        param=f"{param}.type", code="unsupported_content_type")
-    _known_keys(part, PART_KEYS[kind], param, f"an {kind} part")
+    refuse_unknown_keys(part, PART_KEYS[kind], param, f"an {kind} part", ECHOED_KEYS)
     if kind == "input_image":
         if part.get("file_id") is not None:
             raise ApiError(f"{param}.file_id: files are not supported; send the image in image_url (a data: URL)",
@@ -207,13 +207,6 @@ def _part(part: Any, param: str) -> dict[str, Any]:
     if kind == "input_audio":
         return {"type": "input_audio", "input_audio": part.get("input_audio")}
     return {"type": "text", "text": part.get("text")}
-
-
-def _known_keys(value: dict[str, Any], keys: tuple[str, ...], param: str, what: str) -> None:
-    for key, field in value.items():
-        if key not in keys and not (key in ECHOED_KEYS and not field):
-            raise ApiError(f"{param}.{key}: unknown field of {what}", param=f"{param}.{key}",
-                           code="unsupported_parameter")
 
 
 def _function_call(item: dict[str, Any], param: str) -> dict[str, Any]:

@@ -222,7 +222,7 @@ def _bad_requests(media_dir: Path, tmp_path: Path) -> dict[str, tuple[dict, int,
                           "unsupported_parameter", "messages[0].weight: unknown field of a system message"),
         "echoed value": ({"messages": [user("Hi"), {"role": "assistant", "content": "Yo", "audio": {"id": "a1"}},
                                        user("Hi")]}, 400, "unsupported_parameter",
-                         "messages[1].audio: an answer's field the model cannot take back"),
+                         "messages[1].audio: an answer's audio cannot be sent back to this model"),
         "part field": ({"messages": [{"role": "user", "content": [{"type": "text", "text": "Hi", "cache": 1}]}]},
                        400, "unsupported_parameter", "messages[0].content[0].cache: unknown field of a text part"),
         "image_url field": ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {

@@ -432,7 +432,7 @@ class Chat:
         if answering.question is None:
             self._forget()
             decoding = Decoding(plan.loaded, plan.inputs, plan.max_length, answering.sampling, None,
-                                self.package.longrope_switch)
+                                self.package.longrope_switch, self.package.prefill_chunk)
             self._kept = _Kept(decoding, None, None, (), raw=True)  # held while it answers: its cache is counted
             return plan, decoding.answer(answering.options, self.token_bytes, answering.started, plan.prompt_tokens)
         if plan.append is not None and (self._kept is None or not self._kept.decoding.alive):
@@ -448,7 +448,7 @@ class Chat:
         else:
             self._forget()  # the old cache is freed before the new one is allocated
             decoding = Decoding(plan.loaded, plan.inputs, plan.max_length, answering.sampling, answering.guidance,
-                                self.package.longrope_switch)
+                                self.package.longrope_switch, self.package.prefill_chunk)
             self._kept = _Kept(decoding, self.system, self.tools, tuple(self.turns))
         return plan, decoding.answer(answering.options, self.token_bytes, answering.started, plan.prompt_tokens,
                                      reused)

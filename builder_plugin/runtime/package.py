@@ -45,6 +45,7 @@ from builder_plugin.runtime.threads import thread_overlay
 from builder_plugin.runtime.tokens import TokenBytes
 
 COMPILED_MEMORY = 256  # grammars remembered as compiling, per model
+PREFILL_CHUNK = 1024  # tokens per prefill call of a long prompt (measured: runtime/decoding.py's notes)
 _SYSTEM_SENTINEL, _TOOLS_SENTINEL = "system-1f0c", [918273645]  # stand-ins the chat template is rendered with
 
 
@@ -168,10 +169,15 @@ class Package:
     """A package folder opened for running (raises PackageError for what cannot be run)."""
 
     def __init__(self, package_dir: str | Path, max_length: int | None = None, execution_provider: str | None = None,
-                 threads: int | None = None, kernels: bool | None = None) -> None:
+                 threads: int | None = None, kernels: bool | None = None,
+                 prefill_chunk: int | None = PREFILL_CHUNK) -> None:
         self.dir = Path(package_dir).expanduser()
         self.execution_provider = execution_provider
         self.threads = threads  # intra-op threads of every session; None: one per physical core the process may use
+        if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int) or
+                                          prefill_chunk < 1):
+            raise PackageError(f"prefill_chunk must be a positive number of tokens or None, not {prefill_chunk!r}")
+        self.prefill_chunk = prefill_chunk  # tokens per prefill call of a long prompt (decoding.py); None: whole
         config_path = self.dir / GENAI_CONFIG_FILE
         if not self.dir.is_dir():
             raise PackageError(f"package folder not found: {self.dir}")

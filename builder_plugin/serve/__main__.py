@@ -86,6 +86,9 @@ def make_parser() -> argparse.ArgumentParser:
                    help="run on this provider (default: the one the package was built for)")
     p.add_argument("--threads", type=int, default=None, metavar="N",
                    help="intra-op threads of every session (default: one per physical core this process may use)")
+    p.add_argument("--prefill-chunk", type=int, default=None, metavar="N",
+                   help="prefill a longer prompt N tokens per call where that computes what one call does (less "
+                   "memory, and sooner on CPUs; default: the runtime's, runtime.package.PREFILL_CHUNK; 0: one call)")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="a log line per request (method, path, status, prompt tokens, time to the first token, "
                    "tokens/s; never a body or a key), debug logs and tracebacks")
@@ -137,6 +140,8 @@ def serve(args: argparse.Namespace) -> int:
         raise ValueError("--kv-budget-gb must be positive")
     if args.drain_seconds < 0:
         raise ValueError("--drain-seconds must not be negative")
+    if args.prefill_chunk is not None and args.prefill_chunk < 0:
+        raise ValueError("--prefill-chunk must be a number of tokens, or 0 to prefill each prompt in one call")
     if args.served_model_name is not None and (not args.served_model_name.strip() or
                                                args.served_model_name != args.served_model_name.strip()):
         raise ValueError("--served-model-name must be a non-empty name without surrounding blanks")
@@ -146,7 +151,8 @@ def serve(args: argparse.Namespace) -> int:
     origins = check_origins(args.allowed_origins or ())
     with interrupting_signals():  # stopped while loading: main() returns 130, nothing is left behind
         package = Package(args.package, max_length=args.max_length, execution_provider=args.execution_provider,
-                          threads=args.threads)
+                          threads=args.threads,
+                          **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk or None}))
         if args.image_detail == "low" and package.crop_side is None and package.genai_config["model"].get("vision"):
             raise ValueError("--image-detail low: this package's vision processor does not give its crop size")
         package.load(package.variant_for(has_image=False, has_audio=False))  # the first request does not wait for it

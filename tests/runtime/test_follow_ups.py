@@ -15,11 +15,10 @@ import onnxruntime_genai as og
 import pytest
 
 from builder_plugin.layout import IMAGE_TOKEN_ID, INPUT_IDS
-from builder_plugin.reference.model import GreedyResult, Reference
+from builder_plugin.reference.model import Reference
 from builder_plugin.runtime import Chat, Sampling, Turn, build_prompt, open_audio, open_image
+from tests.support.greedy import LOGITS_ATOL, agreed, assert_matches
 
-NEAR_TIE = 1e-3  # top-1 minus top-2 reference logit below which fp32 rounding may flip the argmax
-LOGITS_ATOL = 1e-3
 MEDIA = {"text": ((), ()), "image": (("square.png",), ()), "audio": ((), ("clip_2s.wav",))}
 
 
@@ -29,20 +28,6 @@ def _first_turn_inputs(package, media_dir, question: str, mode: str) -> tuple[di
     audios = [media_dir / name for name in MEDIA[mode][1]]
     prompt = build_prompt([Turn(question, tuple(map(open_image, images)), tuple(map(open_audio, audios)))])
     return Chat(package).generate(prompt, images, audios, max_new_tokens=1).inputs, images, audios
-
-
-def _agreed(got: list[int], expected: GreedyResult) -> int:
-    """Tokens compared: up to the first reference near-tie (after which fp32 rounding may legitimately diverge)."""
-    return next((i + 1 for i, gap in enumerate(expected.top2_gap) if gap < NEAR_TIE), len(expected.tokens))
-
-
-def _assert_matches(chat: Chat, new_tokens: list[int], expected: GreedyResult, what: str) -> None:
-    agreed = _agreed(new_tokens, expected)
-    assert new_tokens[:agreed] == expected.tokens[:agreed], what
-    assert len(chat.last_logits) == len(new_tokens)
-    worst = max(float(np.abs(got - want.numpy()).max())
-                for got, want in zip(chat.last_logits[:agreed], expected.step_logits[:agreed]))
-    assert worst <= LOGITS_ATOL, f"{what}: logits differ by up to {worst:.2e}"
 
 
 @pytest.mark.parametrize(("layout", "mode"), [("routed", "text"), ("routed", "image"), ("routed", "audio"),
@@ -68,7 +53,7 @@ def test_follow_up_equals_the_reference_over_the_same_ids(layout, mode, request,
         inputs = {**first_inputs, INPUT_IDS: np.array([prefix], np.int64)}
         expected = reference.prefill_and_greedy(inputs, max_new_tokens=len(new))
         assert expected.lora == Reference.lora_for_mode(Reference.mode_for(bool(images), bool(audios)))
-        _assert_matches(chat, new, expected, f"{layout} {mode}: {follow_up}")
+        assert_matches(chat, new, expected, f"{layout} {mode}: {follow_up}")
         kept = ids
 
 
@@ -91,7 +76,7 @@ def test_generation_crossing_the_longrope_switch_recomputes_like_the_original(mo
     assert chat.last_stats.recomputed
     generated = chat.token_ids[prompt_tokens:]
     expected = reference.prefill_and_greedy(first_inputs, max_new_tokens=new_tokens, recompute_at_switch=True)
-    _assert_matches(chat, generated, expected, f"{mode} across the switch")
+    assert_matches(chat, generated, expected, f"{mode} across the switch")
 
     # The recompute matters: the plain incremental loop (cached short-factor keys) is measurably different after it.
     incremental = reference.prefill_and_greedy(first_inputs, max_new_tokens=new_tokens)
@@ -118,7 +103,7 @@ def test_follow_up_crossing_the_switch_restarts_over_the_same_ids(tiny_package, 
     assert ids[:len(kept)] == kept
     expected = reference.prefill_and_greedy({INPUT_IDS: np.array([ids[:stats.prompt_tokens]], np.int64)},
                                             max_new_tokens=5)
-    _assert_matches(chat, ids[stats.prompt_tokens:], expected, "follow-up past the switch")
+    assert_matches(chat, ids[stats.prompt_tokens:], expected, "follow-up past the switch")
 
 
 def test_the_recompute_frees_the_old_cache_first(tiny_package, tiny_config, monkeypatch):
@@ -160,8 +145,8 @@ def test_a_conversation_prompted_again_has_the_same_ids(tiny_package, media_dir,
     prompt = live.last_stats.prompt_tokens
     expected = reference.prefill_and_greedy({**first_inputs, INPUT_IDS: np.array([want[:prompt]], np.int64)},
                                             max_new_tokens=3)
-    agreed = _agreed(want[prompt:], expected)
-    assert want[prompt:prompt + agreed] == expected.tokens[:agreed]
+    count = agreed(expected)
+    assert want[prompt:prompt + count] == expected.tokens[:count]
 
     other = Chat(tiny_package)
     other.restore(first)  # turns carry their answer ids
@@ -204,7 +189,7 @@ def test_a_rewound_generator_equals_the_reference(mode, tiny_package, media_dir,
     assert ids[:len(after_first)] == after_first
     expected = reference.prefill_and_greedy({**first_inputs, INPUT_IDS: np.array([ids[:stats.prompt_tokens]],
                                                                                      np.int64)}, max_new_tokens=5)
-    _assert_matches(chat, ids[stats.prompt_tokens:], expected, f"{mode}: edited question")
+    assert_matches(chat, ids[stats.prompt_tokens:], expected, f"{mode}: edited question")
 
     chat.restore([])  # the client asks for the first answer again, with its media
     list(chat.ask("Describe what you get.", images, audios, max_new_tokens=4))
@@ -214,7 +199,7 @@ def test_a_rewound_generator_equals_the_reference(mode, tiny_package, media_dir,
     ids = chat.token_ids
     assert ids[:prompt] == first_inputs[INPUT_IDS][0].tolist()
     expected = reference.prefill_and_greedy(first_inputs, max_new_tokens=4)
-    _assert_matches(chat, ids[prompt:], expected, f"{mode}: answer asked again")
+    assert_matches(chat, ids[prompt:], expected, f"{mode}: answer asked again")
 
 
 def test_a_rewind_that_would_drop_media_starts_over(tiny_package, media_dir):
@@ -261,7 +246,7 @@ def test_a_follow_up_at_the_switch_appends_and_one_past_it_restarts(past, tiny_p
     ids = chat.token_ids
     expected = reference.prefill_and_greedy({INPUT_IDS: np.array([ids[:stats.prompt_tokens]], np.int64)},
                                             max_new_tokens=4, recompute_at_switch=True)
-    _assert_matches(chat, ids[stats.prompt_tokens:], expected, f"follow-up ending {past} past the switch")
+    assert_matches(chat, ids[stats.prompt_tokens:], expected, f"follow-up ending {past} past the switch")
 
 
 def test_a_follow_up_with_other_sampling_starts_a_new_generator(tiny_package):

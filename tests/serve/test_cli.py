@@ -70,6 +70,10 @@ def test_cli_errors_are_one_line(tmp_path):
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 1
     assert result.stderr.strip().splitlines() == [f"error: package folder not found: {tmp_path / 'nowhere'}"]
+    chunk = subprocess.run([sys.executable, "-m", "builder_plugin.serve", str(tmp_path), "--prefill-chunk", "-1"],
+                           capture_output=True, text=True, timeout=60)
+    assert chunk.returncode == 1 and chunk.stderr.strip().splitlines() == [
+        "error: --prefill-chunk must be a number of tokens, or 0 to prefill each prompt in one call"]
     verbose = subprocess.run([sys.executable, "-m", "builder_plugin.serve", str(tmp_path / "nowhere"), "-v"],
                              capture_output=True, text=True, timeout=60)
     assert verbose.returncode != 0 and "Traceback" in verbose.stderr

@@ -39,13 +39,7 @@ def open_image(source: MediaSource, decoder: MediaDecoder | None = None, fit: in
     """An image file decoded (Media pass through); raises MediaNotFoundError or UnsupportedMediaError. With `fit`
     (e.g. a Package's ``crop_side``), scaled down to fit a square of that side, its shape kept: the model then reads
     it as one crop and the global view, a fraction of the prompt tokens and time of a large photo's full detail."""
-    media = _open("image", source, decoder, fit)
-    if fit is not None and media is source:  # decoded already: fitted from its canonical bytes
-        try:
-            return (decoder or default_decoder()).decode("image", media.data, media.source, fit)
-        except MediaError as exc:
-            raise UnsupportedMediaError(str(exc), exc.source) from None
-    return media
+    return _open("image", source, decoder, fit)
 
 
 def open_audio(source: MediaSource, decoder: MediaDecoder | None = None) -> Media:
@@ -66,12 +60,16 @@ def og_audios(audios: Iterable[Media]) -> og.Audios | None:
 
 
 def _open(kind: str, source: MediaSource, decoder: MediaDecoder | None, fit: int | None = None) -> Media:
+    """`source` decoded (`fit`: images only), or a decoded Media passed through, fitted from its canonical bytes."""
     if isinstance(source, Media):
         if source.kind != kind:
             raise UnsupportedMediaError(f"{source.source}: {_A[kind]} was expected, not {_A[source.kind]}",
                                         source.source)
-        return source
+        if fit is None:
+            return source
     try:
+        if isinstance(source, Media):
+            return (decoder or default_decoder()).decode(kind, source.data, source.source, fit)
         return (decoder or default_decoder()).open(kind, source, fit)
     except MediaNotFoundError as exc:
         raise MissingMediaError(exc.reason + f": {exc.source}") from None

@@ -87,7 +87,7 @@ class MediaReader:
     def image(self, url: object, param: str, detail: object = None) -> Media:
         """The image of an image_url part (`param`), as its `detail` asks."""
         check_detail(detail, f"{param}.detail")
-        low = (detail or "auto").replace("auto", self.auto_detail) == "low"
+        low = (self.auto_detail if detail in (None, "auto") else detail) == "low"
         if low and self.crop_side is None:
             raise ApiError(f"{param}.detail: low detail is not available (this package's vision processor does not "
                            "give its crop size)", param=f"{param}.detail", code="unsupported_parameter")

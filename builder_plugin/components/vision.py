@@ -25,6 +25,7 @@ import torch
 from builder_plugin.checkpoint.reader import TensorRef
 from builder_plugin.components.base import ComponentBuilder
 from builder_plugin.components.encoder_graph import EncoderGraph
+from builder_plugin.components.vision_scan import scan_crops
 from builder_plugin.config import Phi4MMConfig, VisionConfig
 from builder_plugin.errors import UnsupportedModelError
 from builder_plugin.graph import MS_DOMAIN, GraphBuilder
@@ -38,6 +39,9 @@ NUM_CHANNELS = 3
 
 # SigLIP hidden_act -> ONNX Gelu `approximate`; gelu_new / gelu_fast / gelu_pytorch_tanh are the same tanh formula.
 GELU_APPROXIMATION = {"gelu_pytorch_tanh": "tanh", "gelu_new": "tanh", "gelu_fast": "tanh", "gelu": "none"}
+
+# the per-crop part's boundary values, named so that finish() finds them after quantization
+CROP_PIXELS, CROP_MASK, POOLED = "vision/crop_pixels", "vision/crop_mask", "vision/pooled"
 
 _F32 = ir.DataType.FLOAT
 _I64 = ir.DataType.INT64
@@ -82,6 +86,14 @@ class VisionBuilder(ComponentBuilder):
         graph = _VisionGraph(g, self.config, weights, self.fused_ops)
         return {VISION_FILENAME: graph.build()}
 
+    def finish(self, model: ir.Model) -> ir.Model:
+        """On CPU, SigLIP one crop at a time (vision_scan.py)."""
+        if self.options.execution_provider == "cpu":
+            values = {value.name: value for node in model.graph for value in node.outputs}
+            scan_crops(model.graph, values[CROP_PIXELS], values[CROP_MASK], values[POOLED],
+                       self.config.vision.hidden_size)
+        return model
+
 
 class _VisionGraph(EncoderGraph):
     """One build of the vision graph; methods add the pieces in data-flow order."""
@@ -122,11 +134,13 @@ class _VisionGraph(EncoderGraph):
         crop_pixels = g.op("Gather", g.op("Reshape", pixel_values, self.i64([-1, NUM_CHANNELS, side, side])),
                            valid, axis=0)
         crop_mask = g.op("Gather", g.op("Reshape", mask_f32, self.i64([-1, patches, patches])), valid, axis=0)
+        crop_pixels.name, crop_mask.name = CROP_PIXELS, CROP_MASK
 
         hidden, key_valid = self.embeddings(crop_pixels, crop_mask)
         for i in range(self.v.num_layers_used):
             hidden = self.encoder_layer(hidden, key_valid, f"img_processor.encoder.layers.{i}")
         pooled = self.pool(hidden)
+        pooled.name = POOLED
         table = self.projected_table(pooled)
         rows = self.hd_rows(crops, num_pooled=g.op("Shape", pooled, start=0, end=1))
         features = g.op("Gather", table, rows, axis=0)

@@ -32,7 +32,7 @@ def _build_and_save(config: Phi4MMConfig, weights: Mapping, options: BuildOption
     builder = VisionBuilder(config, options, fused_ops=fused_ops)
     models = builder.build(weights)
     assert list(models) == [VISION_FILENAME]
-    model = models[VISION_FILENAME]
+    model = builder.finish(models[VISION_FILENAME])
     check_io(model, VisionBuilder.io_spec(config, options.io_dtype), VISION_FILENAME)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / VISION_FILENAME
@@ -229,3 +229,26 @@ def test_other_sizes_odd_patch_grid(odd_checkpoint, tmp_path):
     assert features.shape == (sum(reference.num_image_tokens(feeds["image_attention_mask"], feeds["image_sizes"])),
                               config.text.hidden_size)
     np.testing.assert_allclose(features, expected, rtol=0, atol=ATOL)
+
+
+@pytest.mark.parametrize(("provider", "scanned"), [("cpu", True), ("cuda", False)])
+def test_siglip_runs_one_crop_at_a_time_on_cpu(provider, scanned, tiny_checkpoint, tiny_config, vision_weights,
+                                               tmp_path):
+    """A CPU package's encoder layers are the body of one Scan over the crops (vision_scan.py), its weights read
+    from the main graph; other providers keep the batch."""
+    options = BuildOptions(model_dir=tiny_checkpoint, output_dir=tmp_path, precision="fp32",
+                           execution_provider=provider)
+    builder = VisionBuilder(tiny_config, options)
+    model = builder.finish(builder.build(vision_weights)[VISION_FILENAME])
+    scans = [node for node in model.graph if node.op_type == "Scan"]
+    outside = [node.op_type for node in model.graph]
+    layers = tiny_config.vision.num_layers_used
+    if not scanned:
+        assert not scans and outside.count("MultiHeadAttention") == layers
+        return
+    (scan,) = scans
+    body = scan.attributes["body"].value
+    inside = [node.op_type for node in body]
+    assert inside.count("MultiHeadAttention") == layers and "Conv" in inside
+    assert "MultiHeadAttention" not in outside and "Conv" not in outside
+    assert not body.initializers  # the weights stay in the main graph

@@ -7,7 +7,7 @@ at low detail (open_image's fit to one crop, the server's detail "low").
     python -m benchmarks.bench_prompt PKG [--rounds 2] [--asks 2] [--new-tokens 16] [--prompts text-512,image,audio-30s]
                                           [--kernels library,library-vnni,onnxruntime]
     python -m benchmarks.bench_prompt PKG --prompts photo-low,photo --kernels library --rounds 1
-    python -m benchmarks.bench_prompt PKG --prompts text-3000 --kernels library --prefill-chunks 1024,0
+    python -m benchmarks.bench_prompt PKG --prompts text-3000,phone --kernels library --prefill-chunks 1024,0
     python -m benchmarks.bench_prompt --from-json benchmarks/results/prompt.json   # redo the report
 
 Reported per prompt and kernel, best / median over the rounds: time to the first token (question asked to first
@@ -17,8 +17,8 @@ later tokens), the process' resident memory after the package loaded and at its 
 notes the machine's load average (other jobs share the cores: background load only ever slows a run down).
 Results: benchmarks/results/prompt.json and the "Prompts through Chat" section of docs/benchmarks.md; the photo's
 (asked alone) in prompt_photo.json and "A large photo through Chat, whole and at low detail"; a 3,000-token text
-prompt (asked alone, with --prefill-chunks) in prompt_chunks.json and "A long prompt through Chat, prefilled in chunks
-and in one call".
+prompt and a 4032 x 3024 phone photo (asked apart, with --prefill-chunks) in prompt_chunks.json and "A long prompt
+through Chat, prefilled in chunks and in one call".
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ HEADINGS = {"prompts": per_machine_class("## Prompts through Chat"),
             "photo": per_machine_class("## A large photo through Chat, whole and at low detail"),
             "chunks": per_machine_class("## A long prompt through Chat, prefilled in chunks and in one call")}
 # measured apart, each in its own section and results file
-APART = {"photo": ("photo", "photo-low"), "chunks": ("text-3000",)}
+APART = {"photo": ("photo", "photo-low"), "chunks": ("text-3000", "phone")}
 # What each kernel setting sets: the run time's default (the library where it helps), the library with the paths of a
 # CPU with AVX-512 VNNI and BF16 but no AMX, the library held to its in-place int8 path for every row count,
 # onnxruntime's own kernels.
@@ -65,6 +65,7 @@ KERNELS = {"library": {"BUILDER_PLUGIN_KERNELS": "1"},
            "onnxruntime": {"BUILDER_PLUGIN_KERNELS": "0"}}
 IMAGE_SIZE = (448, 448)
 PHOTO_SIZE = (2048, 1536)
+PHONE_SIZE = (4032, 3024)  # a phone camera's photo: 12 crops, about 3,400 prompt tokens (within the LongRoPE switch)
 AUDIO_SECONDS = 30.0
 TEXT_TOKENS = {"text-512": 512, "text-3000": 3000}  # the text prompts' lengths
 STORY = ("The lighthouse keeper counted the ships that passed in the storm and wrote each name she could read into "
@@ -77,6 +78,7 @@ PROMPTS = {
     "audio-30s": ("Transcribe the audio clip.", None, "clip.wav", False),
     "photo": ("Describe the picture in detail.", "photo-2048.png", None, False),
     "photo-low": ("Describe the picture in detail.", "photo-2048.png", None, True),
+    "phone": ("Describe the picture in detail.", "photo-4032.jpg", None, False),
 }
 DEFAULT_PROMPTS = ["text-512", "image", "audio-30s"]
 
@@ -139,6 +141,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         media = make_media(Path(folder), IMAGE_SIZE, AUDIO_SECONDS)
         if set(APART["photo"]) & set(args.prompts):
             make_image(media / "photo-2048.png", *PHOTO_SIZE, seed=5)
+        if "phone" in args.prompts:
+            make_image(media / "photo-4032.jpg", *PHONE_SIZE, seed=6)
         for round_index in range(args.rounds):
             order = args.kernels if round_index % 2 == 0 else args.kernels[::-1]
             for prompt in args.prompts:

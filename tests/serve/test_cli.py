@@ -106,3 +106,20 @@ def test_served_model_name_and_the_request_log(package, chat, tmp_path):
         assert match and (int(match[1]), int(match[2])) == (expected.prompt_tokens, expected.completion_tokens), line
     assert lines[2].startswith("INFO: POST /v1/chat/completions 404 in ") and lines[2].endswith(" s")
     assert any(line.startswith("INFO: GET /v1/models 200 in ") for line in logged.splitlines())
+
+
+def test_prefill_chunk_reaches_the_runtime(package, media_dir, tmp_path):
+    """--prefill-chunk N: the server's answers are a Chat's on the package opened with prefill_chunk N (whose own
+    stats say its prompts were chunked)."""
+    from builder_plugin.runtime import Chat, Package
+
+    chunked = Chat(Package(package, prefill_chunk=16))
+    questions = [("Describe the sea, the ships and the storm in one line, then say it again. " * 2, (), ()),
+                 ("What do you hear?", (), (media_dir / AUDIO,))]
+    with server_process(package, tmp_path, "--prefill-chunk", "16", "--no-ui") as server:
+        client = openai.OpenAI(base_url=server.url, api_key="none", max_retries=0)
+        for text, images, audios in questions:
+            expected = ask_chat(chunked, [(text, images, audios)])[0]
+            assert chunked.last_stats.prefill_chunk == 16
+            assert ask_server(client, [user(text, images, audios)]) == expected
+        assert server.stop(30) == 0

@@ -16,9 +16,10 @@ one token at a time, closed to free its cache.
   2.9 GB against 4.0 GB (chunks of 512: 48.5 s, 2.5 GB; 2048: 46.1 s, 3.5 GB). It is the original model's computation
   only where every chunk takes the same branches as the whole prompt, so a decoding chunks only a prompt whose first
   chunk holds every kind of media placeholder the prompt holds (a self-routing decoder picks a call's LoRA by the
-  placeholders seen so far) and whose chunks are all on the prompt's side of the LongRoPE switch (each call picks its
-  factors by the length so far: a prompt within it, or chunks longer than it). Its follow-ups are chunked alike: they
-  bring no media, and one that would cross the switch restarts over a new decoding.
+  placeholders seen so far), and whose chunks are all on the prompt's side of the LongRoPE switch (each call picks its
+  factors by the length so far): a prompt past the switch is chunked one token longer than the switch (a 5,142-token
+  photo: 4,097 then 1,045). Its follow-ups are chunked alike: they bring no media, and one that would cross the switch
+  restarts over a new decoding.
 - ``answer`` gives an Answer: an iterator of Steps (token, text, log-probability), one decoder step per ``next``, with
   its Stats; a caller may interleave the steps of several answers, a step each (and a later batched engine may run
   the steps of several decodings as one).
@@ -44,12 +45,13 @@ SEED_RANGE = 1 << 31  # onnxruntime-genai reads random_seed as a non-negative in
 
 def prefill_chunk(ids: Sequence[int], chunk: int | None, placeholders: frozenset[int],
                   switch: int | None) -> int | None:
-    """The chunk size a decoding started from the prompt `ids` prefills with, or None for whole calls: `chunk` when
-    every chunk computes what the whole prompt would (see the module's notes)."""
+    """The chunk size a decoding started from the prompt `ids` prefills with, or None for whole calls: `chunk` (past
+    the switch at least one token longer than it) when every chunk computes what the whole prompt would (see the
+    module's notes)."""
+    if chunk is not None and switch is not None and chunk <= switch < len(ids):
+        chunk = switch + 1  # smaller first chunks would take the short factors, the whole prompt the long ones
     if chunk is None or len(ids) <= chunk:
         return None
-    if switch is not None and chunk <= switch < len(ids):
-        return None  # the first chunks would take the short factors, the whole prompt the long ones
     first = placeholders.intersection(ids[:chunk])
     return chunk if first == placeholders.intersection(ids) else None
 

@@ -20,8 +20,10 @@ PLACEHOLDERS = frozenset({IMAGE, AUDIO})
     ([1] * 10, 10, 100, None),  # one chunk: one call
     ([1] * 10, None, 100, None),  # chunking off
     ([1] * 10, 4, None, 4),  # no LongRoPE
-    ([1] * 10, 4, 8, None),  # the first chunks would take the short factors, the prompt the long ones
-    ([1] * 10, 9, 8, 9),  # every chunk past the switch, like the prompt
+    ([1] * 10, 4, 8, 9),  # past the switch: chunks one token longer than it, every call past it like the prompt
+    ([1] * 9, 4, 8, None),  # ... which is the whole prompt here
+    ([1] * 10, 9, 8, 9),  # chunks longer than the switch already
+    ([1] * 10, 4, 3, 4),  # a switch shorter than the chunk
     ([1, IMAGE, IMAGE, 1, IMAGE, IMAGE, 1, 1, 1, 1], 4, 100, 4),  # media from the first chunk on
     ([1, 1, 1, 1, 1, IMAGE, IMAGE, 1, 1, 1], 4, 100, None),  # media after a first chunk without it
     ([1, IMAGE, 1, 1, 1, 1, AUDIO, 1, 1, 1], 4, 100, None),  # audio only in a later chunk
@@ -110,3 +112,18 @@ def test_onnxruntime_genai_prefills_in_the_chunks_it_is_given(tiny_package, tiny
 
     whole = logits(None)
     assert np.abs(logits(32) - whole).max() > 1.0
+
+
+def test_a_prompt_past_the_switch_is_chunked_past_it(tiny_package, tiny_config, reference):
+    """Chunks of 16 would start below the LongRoPE switch: a longer prompt takes chunks one token longer than the
+    switch, every call then past it as the whole prompt is, and answers as the reference does."""
+    switch = tiny_config.text.original_max_position_embeddings
+    chat = Chat(Package(tiny_package, prefill_chunk=16))
+    chat.keep_logits = True
+    list(chat.ask("The ships passed in the storm and the keeper counted every one of them. " * 18, max_new_tokens=4))
+    stats = chat.last_stats
+    assert stats.prompt_tokens > switch + 1 and stats.prefill_chunk == switch + 1
+    ids = chat.token_ids
+    expected = reference.prefill_and_greedy({INPUT_IDS: np.array([ids[:stats.prompt_tokens]], np.int64)},
+                                            max_new_tokens=4)
+    assert_matches(chat, ids[stats.prompt_tokens:], expected, "past the switch, chunks of the switch + 1")

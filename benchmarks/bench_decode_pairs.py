@@ -182,11 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="what the library, as it loads by default, is paired with")
     add_report_options(parser, "decode_pairs.json")
     args = parser.parse_args(argv)
-    if args.out == parser.get_default("out"):  # a replay rewrites its file; each pairing has a file of its own
-        if args.from_json:
-            args.out = args.from_json
-        elif args.against != "onnxruntime":
-            args.out = args.out.with_name(f"decode_pairs_{args.against}.json")
+    if args.out == parser.get_default("out") and args.against != "onnxruntime":  # each pairing has a file of its own
+        args.out = args.out.with_name(f"decode_pairs_{args.against}.json")
     if not args.from_json and args.package is None:
         parser.error("give the package folder (or --from-json)")
     if args.rounds < 2:

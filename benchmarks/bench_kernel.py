@@ -16,7 +16,9 @@ after. `--duel` row counts are also timed with both kernels' sessions in one pro
 comparison when the machine's bandwidth moves). Reported: run time, the stored bytes per second and their share of the
 read bound (the best probe beside the run),
 GFLOP/s (2 x rows x K x N per node), and the anonymous memory the session holds after load (onnxruntime's kernel
-keeps a prepacked copy of the weights; the library reads them where the session loaded them).
+keeps a prepacked copy of the weights; the library reads them where the session loaded them). Where the library
+registers nothing (not built, or no AVX-512 VNNI: `python -m benchmarks.cpu_class avx2 -- ...` runs such a CPU's
+paths) onnxruntime's kernel and its int8 GEMM are measured alone.
 Results: benchmarks/results/kernel.json and the "MatMulNBits kernel of the library" section of docs/benchmarks.md.
 """
 
@@ -52,6 +54,7 @@ from builder_plugin.testing.make_checkpoint import PRESETS
 
 HEADING = per_machine_class("## MatMulNBits kernel of the library")
 KERNELS = ("onnxruntime", "library")
+SHARE_NAMES = {"library": "library", "onnxruntime": "onnxruntime's MatMulNBits"}
 GEMM = "int8 GEMM"  # onnxruntime's DynamicQuantizeMatMul: the reference throughput of many rows
 
 
@@ -126,18 +129,19 @@ def _key(kernel: str, rows: int) -> str:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    if kernels.level() == "none":
-        raise SystemExit("the library is not active on this machine (not built, or no AVX-512 VNNI)")
+    # where the library registers nothing (not built, or a CPU without AVX-512 VNNI, as benchmarks.cpu_class runs one)
+    # onnxruntime's kernels are measured alone
+    measured = KERNELS if kernels.level() != "none" else ("onnxruntime",)
     threads = args.threads or default_threads()
     todo = [(kernel, rows) for rows in args.rows
-            for kernel in (*KERNELS, *((GEMM,) if rows >= args.gemm_from_rows else ()))]
+            for kernel in (*measured, *((GEMM,) if rows >= args.gemm_from_rows else ()))]
     runs: dict[str, list[dict[str, Any]]] = {_key(*s): [] for s in todo}
     with tempfile.TemporaryDirectory(prefix="kernel-", dir=args.work) as work:
         path, gemm_path = Path(work) / "graph.onnx", Path(work) / "gemm.onnx"
         stored = write_graph(path, args.layers, args.block_size, 4, rows="rows")
         if any(kernel == GEMM for kernel, _ in todo):
             write_gemm_graph(gemm_path, args.gemm_layers)
-        duels = [_duel_child(path, threads, rows, args.duel_rounds) for rows in args.duel]
+        duels = [_duel_child(path, threads, rows, args.duel_rounds) for rows in args.duel if len(measured) > 1]
         for round_index in range(args.rounds):
             for kernel, rows in todo if round_index % 2 == 0 else todo[::-1]:
                 steps = args.steps if rows <= 64 else max(2, args.steps // 4)
@@ -150,18 +154,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "block_size": args.block_size, "threads": threads, "rows": args.rows,
             "rounds": args.rounds, "steps": args.steps, "shapes": shapes, "stored_bytes": stored,
             "flops_per_row": 2 * args.layers * sum(k * n for _, k, n in shapes), "library_level": kernels.level(),
-            "runs": runs, "duels": duels}
+            "kernels": list(measured), "runs": runs, "duels": duels}
 
 
 def report(results: dict[str, Any]) -> str:
     rows_out = []
     stored = results["stored_bytes"]
+    measured = results.get("kernels", KERNELS)  # results before the library could be absent measured both
     one_row = {kernel: statistics.median([s for run in results["runs"].get(_key(kernel, 1), []) for s in run["step_s"]]
-                                         or [float("nan")]) for kernel in KERNELS}
+                                         or [float("nan")]) for kernel in measured}
     shares_of_gemm = []
     for rows in results["rows"]:
         gflops = {}
-        for kernel in (*KERNELS, GEMM):
+        for kernel in (*measured, GEMM):
             found = results["runs"].get(_key(kernel, rows))
             if not found:
                 continue
@@ -185,8 +190,9 @@ def report(results: dict[str, Any]) -> str:
                              f"{fmt(flops / min(steps) / 1e9, 0)} / {fmt(flops / statistics.median(steps) / 1e9, 0)}",
                              bytes_columns[4]])
         if GEMM in gflops:
-            shares_of_gemm.append(f"{rows} rows: library {fmt(100 * gflops['library'] / gflops[GEMM], 0)} %, "
-                                  f"onnxruntime's MatMulNBits {fmt(100 * gflops['onnxruntime'] / gflops[GEMM], 0)} %")
+            shares_of_gemm.append(f"{rows} rows: " + ", ".join(
+                f"{SHARE_NAMES[kernel]} {fmt(100 * gflops[kernel] / gflops[GEMM], 0)} %"
+                for kernel in measured if kernel in gflops))
     duel_rows = []
     for found in results.get("duels", []):
         best_probe = max(found["probes_gb_s"])

@@ -215,11 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     add_report_options(parser, "prompt.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.out == parser.get_default("out"):  # a replay rewrites its own file; the prompts measured apart their own
-        if args.from_json:
-            args.out = args.from_json
-        elif section(args.prompts) != "prompts":
-            args.out = args.out.with_name(f"prompt_{section(args.prompts)}.json")
+    if args.out == parser.get_default("out") and section(args.prompts) != "prompts":  # measured apart: a file each
+        args.out = args.out.with_name(f"prompt_{section(args.prompts)}.json")
     if args.worker:
         job = json.loads(args.worker)
         print(json.dumps(worker(job["package"], job["prompt"], job["media"], job["asks"], job["new_tokens"],

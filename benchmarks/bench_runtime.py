@@ -65,7 +65,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import add_report_options, git_state, machine_info, memcpy_bandwidth, read_bandwidth
+from benchmarks.common import (
+    add_report_options,
+    git_state,
+    machine_info,
+    memcpy_bandwidth,
+    read_bandwidth,
+    results_out,
+)
 from benchmarks.runtime_bench import BACKENDS, PRECISIONS, PROMPT_NAMES, REAL_TEXT_LAYERS, VARIANT_FILES
 from benchmarks.runtime_bench.decoder_graph import decode_weight_bytes, logits_positions
 from benchmarks.runtime_bench.prepare import (
@@ -120,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
 
         args.threads = default_threads()
     if args.from_json:
-        return publish(json.loads(args.from_json.read_text()), args.out, args.doc)
+        return publish(json.loads(args.from_json.read_text()), results_out(args), args.doc)
     command = " ".join(["python -m benchmarks.bench_runtime", *(sys.argv[1:] if argv is None else argv)])
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)

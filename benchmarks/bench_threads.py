@@ -52,6 +52,7 @@ from benchmarks.common import (
     publish,
     read_bandwidth,
     read_probe_gb_s,
+    results_out,
 )
 from benchmarks.runtime_bench.decoder_graph import decode_weight_bytes
 from builder_plugin.layout import GENAI_CONFIG_FILE
@@ -350,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.from_json:
         merged = json.loads(args.from_json.read_text())
-        publish(merged, args.out, args.doc, HEADING, body_of(merged))
+        publish(merged, results_out(args), args.doc, HEADING, body_of(merged))
         return 0
     if not args.packages:
         parser.error("give at least one package folder")

@@ -28,6 +28,9 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.cpu_class import CLASSES as CPU_CLASSES
+from benchmarks.cpu_class import ENV as CPU_CLASS_ENV
+
 ROOT = Path(__file__).resolve().parents[1]  # the repository root: `python -m benchmarks.<script>` runs from here
 RESULTS_DIR = ROOT / "benchmarks" / "results"
 BENCHMARKS_DOC = ROOT / "docs" / "benchmarks.md"
@@ -127,6 +130,8 @@ def machine_info() -> dict[str, Any]:
     """CPU model, logical cores, RAM, load averages and library versions of this machine."""
     cpu_model = platform.processor() or platform.machine()
     cpu_id, simd = None, None
+    class_name = os.environ.get(CPU_CLASS_ENV)
+    cpu_class = CPU_CLASSES.get(class_name) if class_name else None
     try:
         text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
         fields = dict(re.findall(r"^([^:\n]+?)\s*:\s*(.*)$", text.split("\n\n")[0], re.MULTILINE))
@@ -134,7 +139,7 @@ def machine_info() -> dict[str, Any]:
         if "cpu family" in fields:
             cpu_id = f"family {fields['cpu family']} model {fields.get('model')}"
         flags = set(fields.get("flags", "").split())
-        simd = [flag for flag in SIMD_FLAGS if flag in flags]
+        simd = [flag for flag in SIMD_FLAGS if flag in flags and (cpu_class is None or cpu_class.shows(flag))]
     except OSError:
         pass
     ram = None
@@ -156,6 +161,7 @@ def machine_info() -> dict[str, Any]:
         "logical_cores": os.cpu_count(),
         "default_threads": default_threads(),
         "ram_bytes": ram,
+        **({"cpu_class": class_name} if cpu_class else {}),
         "os": f"{platform.system()} {platform.release()}",
         "load_average": [round(x, 2) for x in os.getloadavg()],
         "versions": versions,
@@ -171,6 +177,9 @@ def machine_markdown(machine: dict[str, Any]) -> str:
         + (f" ({machine['cpu_id']})" if machine.get("cpu_id") else "")
         + f", {machine.get('logical_cores')} logical cores"
         + (f"; SIMD: {', '.join(simd)}" if simd else ""),
+        *([f"- Run as the class `{machine['cpu_class']}` (benchmarks/cpu_class.py: the CPUID the processes saw hid "
+           f"what the class lacks, the same cores ran the code): {CPU_CLASSES[machine['cpu_class']].description}"]
+          if machine.get("cpu_class") in CPU_CLASSES else []),
         f"- RAM: {ram / GIB:.1f} GiB" if ram else "- RAM: unknown",
         *([f"- Threads: {machine['default_threads']} intra-op threads per session, the run time's default here (one "
            "per physical core the process may use) unless the command sets --threads"]
@@ -367,15 +376,29 @@ def names_from(choices: Sequence[str], what: str) -> Callable[[str], list[str]]:
 
 
 def command_line(script: str, argv: Sequence[str] | None) -> str:
-    """The command that ran a benchmark, as the reports quote it."""
-    return f"python -m benchmarks.{script.removesuffix('.py')} " + shlex.join(sys.argv[1:] if argv is None else argv)
+    """The command that ran a benchmark, as the reports quote it (under benchmarks.cpu_class, with it)."""
+    cpu_class = os.environ.get(CPU_CLASS_ENV)
+    return (f"python -m benchmarks.cpu_class {cpu_class} -- " if cpu_class else "") + \
+        f"python -m benchmarks.{script.removesuffix('.py')} " + shlex.join(sys.argv[1:] if argv is None else argv)
+
+
+class _GivenOut(argparse.Action):
+    """--out, noting that it was given (results_out)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.out_given = True
 
 
 def add_report_options(parser: argparse.ArgumentParser, results_name: str, *, note: bool = True,
                        replay: bool = True) -> None:
-    """The report options: --out (RESULTS_DIR / results_name), --doc, --note (if note), --from-json (if replay)."""
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR / results_name,
-                        help=f"the results JSON (default: {(RESULTS_DIR / results_name).relative_to(ROOT)})")
+    """The report options: --out (RESULTS_DIR / results_name; a replay rewrites the file it replays), --doc, --note (if
+    note), --from-json (if replay)."""
+    default = (RESULTS_DIR / results_name).relative_to(ROOT)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR / results_name, action=_GivenOut,
+                        help=f"the results JSON (default: {default}{'; a replay: the --from-json file' * replay})")
+    parser.set_defaults(out_given=False)
     parser.add_argument("--doc", default=str(BENCHMARKS_DOC),
                         help=f"the Markdown page to update (default: {BENCHMARKS_DOC.relative_to(ROOT)}; "
                         "'' leaves the docs alone)")
@@ -408,6 +431,12 @@ def per_machine_class(heading: str) -> Callable[[dict[str, Any]], str]:
     return named
 
 
+def results_out(args: Any) -> Path:
+    """Where a benchmark writes its results (add_report_options): --out, and a replay (--from-json) without --out
+    rewrites the file it replays."""
+    return Path(args.from_json) if getattr(args, "from_json", None) and not args.out_given else args.out
+
+
 def measure_or_replay(args: Any, argv: Sequence[str] | None, script: str,
                       heading: str | Callable[[dict[str, Any]], str],
                       run: Callable[[Any], dict[str, Any]], report: Callable[[dict[str, Any]], str]) -> int:
@@ -422,5 +451,6 @@ def measure_or_replay(args: Any, argv: Sequence[str] | None, script: str,
         results = run(args)
         results.update(command=command_line(script, argv), git=git_state(), machine=machine_info(),
                        note=args.note or "")
-    publish(results, args.out, args.doc, heading if isinstance(heading, str) else heading(results), report(results))
+    publish(results, results_out(args), args.doc, heading if isinstance(heading, str) else heading(results),
+            report(results))
     return 0

@@ -183,7 +183,8 @@ def report(results: dict[str, Any]) -> str:
             else:
                 shares = [stored / statistics.median(run["step_s"]) / max(run["probes_gb_s"]) / 1e9 for run in found]
                 rate = f"{fmt(stored / min(steps) / 1e9, 1)} / {fmt(stored / statistics.median(steps) / 1e9, 1)}"
-                bytes_columns = [f"{fmt(statistics.median(steps) / one_row[kernel], 2)}x", rate,
+                against_one_row = statistics.median(steps) / one_row[kernel]  # nan without a 1-row run
+                bytes_columns = [f"{fmt(against_one_row, 2)}x" if against_one_row == against_one_row else "", rate,
                                  probe_text, f"{fmt(100 * statistics.median(shares), 0)} %",
                                  f"{fmt(held / 1e9, 2)} ({fmt(held / stored, 2)}x)"]
             rows_out.append([kernel, rows, *timing, *bytes_columns[:4],

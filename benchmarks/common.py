@@ -38,6 +38,8 @@ BENCHMARKS_DOC = ROOT / "docs" / "benchmarks.md"
 GB = 1e9
 GIB = 1 << 30
 # Instruction sets that decide which onnxruntime CPU kernels run (int8 dot products for int4 MatMulNBits).
+# The environment variables that change which kernels a run measures (builder_plugin.kernels, runtime/package.py).
+KERNEL_SETTINGS = ("BUILDER_PLUGIN_KERNELS", "BUILDER_PLUGIN_OPS_PATH", "BUILDER_PLUGIN_OPS_WEIGHTS")
 SIMD_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_int8")
 
 
@@ -376,9 +378,11 @@ def names_from(choices: Sequence[str], what: str) -> Callable[[str], list[str]]:
 
 
 def command_line(script: str, argv: Sequence[str] | None) -> str:
-    """The command that ran a benchmark, as the reports quote it (under benchmarks.cpu_class, with it)."""
+    """The command that ran a benchmark, as the reports quote it: under benchmarks.cpu_class with it, and with the
+    kernel library's settings (KERNEL_SETTINGS) the run had."""
     cpu_class = os.environ.get(CPU_CLASS_ENV)
-    return (f"python -m benchmarks.cpu_class {cpu_class} -- " if cpu_class else "") + \
+    settings = "".join(f"{name}={shlex.quote(os.environ[name])} " for name in KERNEL_SETTINGS if name in os.environ)
+    return (f"python -m benchmarks.cpu_class {cpu_class} -- " if cpu_class else "") + settings + \
         f"python -m benchmarks.{script.removesuffix('.py')} " + shlex.join(sys.argv[1:] if argv is None else argv)
 
 

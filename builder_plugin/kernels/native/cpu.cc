@@ -34,10 +34,12 @@ Cpu detect() {
   __cpuid(0, a, b, c, d);
   found.one_stream = b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163;  // "AuthenticAMD"
   if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return found;  // OSXSAVE
+  const bool fma = c & (1u << 12);
   unsigned max_leaf = __get_cpuid_max(0, nullptr);
   if (max_leaf < 7) return found;
   __cpuid_count(7, 0, a, b, c, d);
   const uint64_t saved = xcr0();
+  found.avx2 = (saved & 0x6) == 0x6 && fma && (b & (1u << 5));  // SSE and AVX state saved
   const bool zmm_saved = (saved & 0xE6) == 0xE6;  // SSE, AVX, opmask, ZMM_Hi256, Hi16_ZMM
   const bool avx512 = (b & (1u << 16)) && (b & (1u << 17)) && (b & (1u << 30)) && (b & (1u << 31));
   found.avx512_vnni = zmm_saved && avx512 && (c & (1u << 11));

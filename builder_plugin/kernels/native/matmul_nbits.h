@@ -59,7 +59,13 @@ bool matmul_bf16_amx(const Weights& w, const float* a, int64_t m, float* y, Para
 // block >= 16, no g_idx. False without AVX-512 VNNI (nothing is written then).
 bool matmul_int8_panels(const Weights& w, const float* a, int64_t m, float* y, ParallelFor run, void* context);
 
+// Many rows on a CPU with AVX2 and FMA (no AVX-512 needed): the same numbers as matmul_int8_avx512 (the same
+// activation quantization and exact block sums), B unpacked once per call, panel by panel, to its unsigned 4-bit codes,
+// products on vpmaddubsw. bits 4, block 16 or 32, no g_idx. False without AVX2 (nothing is written then).
+bool matmul_int8_panels_avx2(const Weights& w, const float* a, int64_t m, float* y, ParallelFor run, void* context);
+
 struct Cpu {
+  bool avx2 = false;         // AVX2 and FMA, with the OS saving their registers
   bool avx512_vnni = false;  // AVX-512 F/BW/VL/DQ and VNNI, with the OS saving their registers
   bool amx_int8 = false;     // AMX tiles and int8, the OS saving them and granting this process their use
   bool amx_bf16 = false;     // AMX tiles and bf16 (and AVX-512 BF16 conversions), likewise

@@ -25,8 +25,10 @@ LIBRARY = kernels.library_path()
 ACTIVE = kernels.level() != "none"
 TRACE = "BUILDER_PLUGIN_OPS_TRACE"
 # The int8 paths this CPU runs (BUILDER_PLUGIN_OPS_PATH forces one for every row count) and the trace naming each.
-# avx2: the AVX2 panels (4 bits, blocks of 16 and 32; other nodes keep their default paths under it).
-PATHS = {"avx512": "int8 AVX-512 path", "panels": "int8 AVX-512 panels path", "avx2": "int8 AVX2 panels path",
+# avx2: a CPU with AVX2 alone on 4-bit nodes with blocks of 16 and 32, in place up to 3 rows for blocks of 32 (other
+# nodes keep their default paths under it).
+AVX2_PATHS = {16: "int8 AVX2 panels path", 32: "int8 AVX2 (up to 3 rows) / int8 AVX2 panels path"}
+PATHS = {"avx512": "int8 AVX-512 path", "panels": "int8 AVX-512 panels path", "avx2": AVX2_PATHS[32],
          "amx": "int8 AMX path"}
 INT8_PATHS = [path for path in PATHS if path != "amx" or kernels.level() in ("amx", "amx_bf16")]
 BF16 = kernels.level() == "amx_bf16"
@@ -64,7 +66,9 @@ def run(path, a: np.ndarray, library: bool) -> np.ndarray:
 
 def forced_trace(int8_path: str, bits: int, block: int) -> str:
     """The trace of a node of `bits` and `block` under BUILDER_PLUGIN_OPS_PATH=`int8_path`."""
-    return DEFAULT_PATHS if int8_path == "avx2" and (bits != 4 or block > 32) else PATHS[int8_path]
+    if int8_path == "avx2":
+        return AVX2_PATHS[block] if bits == 4 and block in AVX2_PATHS else DEFAULT_PATHS
+    return PATHS[int8_path]
 
 
 def traced_path(capfd, path) -> str:

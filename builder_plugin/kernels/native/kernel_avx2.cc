@@ -41,8 +41,9 @@ struct Plan {
 };
 
 // A quantized per row and block (quantize.h's arithmetic: scale = max|a| / 127, codes rounded to nearest even), each
-// block's code sum, the codes put in the panel's order of K.
-BP_AVX2 void quantize(const float* a, Plan& p) {
+// block's code sum; in each `group` rows of K the even ones first, then the odd ones (the order of B's low nibbles,
+// then its high ones: 8 for the panels' 32-bit words, 32 for a block's 16 bytes read in place).
+BP_AVX2 void quantize(const float* a, int64_t group, Plan& p) {
   const Weights& w = *p.w;
   const int64_t block = w.block, padded = p.quads * 4;
   QuantizedRows& out = p.rows;
@@ -67,7 +68,7 @@ BP_AVX2 void quantize(const float* a, Plan& p) {
       int32_t sum = 0;
       for (int64_t i = start; i < end; ++i) {
         const auto code = static_cast<int8_t>(std::nearbyint(std::min(std::max(x[i] * inv, -127.0f), 127.0f)));
-        codes[(i & ~int64_t{7}) + (i & 7) / 2 + 4 * (i & 1)] = code;  // k 0 2 4 6 1 3 5 7 of each 8
+        codes[(i & -group) + (i & (group - 1)) / 2 + group / 2 * (i & 1)] = code;
         sum += code;
       }
       sums[b] = sum;
@@ -101,6 +102,16 @@ BP_AVX2 inline void transpose8(__m256i r[8]) {
   }
 }
 
+// Column `col`'s 4-bit zero points of blocks [b0, b0 + count) (count <= 8, b0 even), one per 32-bit lane, the lanes
+// past count undefined; the codes as Weights::zero_point reads them (block 2i the low nibble of byte i).
+BP_AVX2 __m256i zero_point_lanes(const Weights& w, int64_t col, int64_t b0, int64_t count) {
+  if (w.zero_points == nullptr) return _mm256_set1_epi32(1 << (w.bits - 1));
+  uint32_t packed = 0;
+  std::memcpy(&packed, w.zero_points + col * w.zero_point_columns() + b0 / 2, static_cast<size_t>((count + 1) / 2));
+  const __m128i bytes = _mm_cvtsi32_si128(static_cast<int>(packed)), low = _mm_set1_epi8(0x0F);
+  return _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(_mm_and_si128(bytes, low), _mm_and_si128(_mm_srli_epi16(bytes, 4), low)));
+}
+
 // Columns [col0, col0 + 16) unpacked (columns past N as zeros), 8 columns x 8 words (64 rows of K) at a time: per
 // 32-bit word of a column (8 rows of K), its low nibbles as one quad and its high nibbles as the next; then each
 // block's weight scales and zero points.
@@ -132,11 +143,27 @@ BP_AVX2 void unpack(const Plan& p, int64_t col0, const Panel& panel) {
                            _mm256_and_si256(_mm256_srli_epi16(codes, 4), low));
       }
     }
-    for (int j = 0; j < kLanes; ++j) {
-      const int64_t col = first + j, at = v * kLanes + j;
-      for (int64_t b = 0; b < p.blocks; ++b) {
-        panel.scales[b * kPanelColumns + at] = j < valid ? w.scales[col * p.blocks + b] : 0.0f;
-        panel.zero_points[b * kPanelColumns + at] = j < valid ? w.zero_point(col, b) : 0;
+    for (int64_t b0 = 0; b0 < p.blocks; b0 += kLanes) {  // 8 columns x 8 blocks of scales and zero points
+      const int64_t count = std::min<int64_t>(p.blocks - b0, kLanes);
+      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)),
+                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      __m256i scales[kLanes], zero_points[kLanes];
+      for (int j = 0; j < kLanes; ++j) {
+        if (j >= valid) {
+          scales[j] = zero_points[j] = _mm256_setzero_si256();
+          continue;
+        }
+        const auto* at = reinterpret_cast<const int*>(w.scales + (first + j) * p.blocks + b0);
+        scales[j] = count == kLanes ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at))
+                                    : _mm256_maskload_epi32(at, mask);
+        zero_points[j] = zero_point_lanes(w, first + j, b0, count);
+      }
+      transpose8(scales);
+      transpose8(zero_points);
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t at = (b0 + i) * kPanelColumns + v * kLanes;
+        _mm256_store_si256(reinterpret_cast<__m256i*>(panel.scales + at), scales[i]);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(panel.zero_points + at), zero_points[i]);
       }
     }
   }
@@ -225,7 +252,71 @@ void run_task(void* data, size_t index) {
     kTiles[std::min<int64_t>(kTileRows, p.m - row) - 1](p, panel, col0, row);
 }
 
+// Few rows (decode steps): B read where it lies, one column at a time (one sequential stream per thread, which the
+// prefetchers follow), each block's 16 bytes widened to its 32 codes (low nibbles, then high ones) against R rows'
+// codes in that order; a block's 32-bit lane sums less the zero point x the block's code sum are exact, taken to
+// float with both scales per block and summed across the lanes at the column's end.
+template <int R>
+BP_AVX2 void column_rows(const Plan& p, int64_t col, int64_t row0) {
+  const Weights& w = *p.w;
+  const uint8_t* column = w.packed + col * w.column_bytes();
+  const float* sw = w.scales + col * p.blocks;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const bool zero_points = w.zero_points != nullptr;
+  const __m256i default_zp = _mm256_set1_epi8(static_cast<char>(1 << (w.bits - 1)));
+  __m256 f[R];
+  for (int r = 0; r < R; ++r) f[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(column + 16 * b));
+    const __m256i zp = zero_points ? _mm256_set1_epi8(static_cast<char>(w.zero_point(col, b))) : default_zp;
+    // w - zp in [-15, 15]: its magnitude (unsigned) against the activations with its sign, products exact
+    const __m256i weights =
+        _mm256_sub_epi8(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low), zp);
+    const __m256i magnitude = _mm256_abs_epi8(weights);
+    const __m256 scale = _mm256_set1_ps(sw[b]);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const __m256i x = _mm256_load_si256(reinterpret_cast<const __m256i*>(p.rows.row(row0 + r) + 32 * b));
+      const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, weights)), ones);
+      f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
+                             _mm256_mul_ps(_mm256_set1_ps(p.rows.row_scales(row0 + r)[b]), scale), f[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(f[r]), _mm256_extractf128_ps(f[r], 1));
+    const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+    const float sum = _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+    p.y[(row0 + r) * w.n + col] = sum + (w.bias ? w.bias[col] : 0.0f);
+  }
+}
+
+using ColumnFn = void (*)(const Plan&, int64_t, int64_t);
+constexpr ColumnFn kColumnRows[kTileRows] = {column_rows<1>, column_rows<2>, column_rows<3>};
+constexpr int64_t kColumnsPerTask = 64;
+
+void few_rows_task(void* data, size_t index) {
+  const Plan& p = *static_cast<const Plan*>(data);
+  const int64_t first = static_cast<int64_t>(index) * kColumnsPerTask;
+  for (int64_t col = first; col < std::min(p.w->n, first + kColumnsPerTask); ++col)
+    for (int64_t row = 0; row < p.m; row += kTileRows)
+      kColumnRows[std::min<int64_t>(kTileRows, p.m - row) - 1](p, col, row);
+}
+
 }  // namespace
+
+bool matmul_int8_avx2(const Weights& w, const float* a, int64_t m, float* y, ParallelFor run, void* context) {
+  if (!cpu().avx2 || w.bits != 4 || w.block != 32 || w.g_idx != nullptr) return false;
+  Plan p{};
+  p.w = &w;
+  p.y = y;
+  p.m = m;
+  p.blocks = w.blocks();
+  p.quads_per_block = w.block / 4;
+  p.quads = p.blocks * p.quads_per_block;
+  quantize(a, 32, p);
+  run(context, few_rows_task, static_cast<size_t>((w.n + kColumnsPerTask - 1) / kColumnsPerTask), &p);
+  return true;
+}
 
 bool matmul_int8_panels_avx2(const Weights& w, const float* a, int64_t m, float* y, ParallelFor run, void* context) {
   if (!cpu().avx2 || w.bits != 4 || w.block < 16 || w.block / 4 > kMaxQuadsPerBlock || w.g_idx != nullptr)
@@ -237,7 +328,7 @@ bool matmul_int8_panels_avx2(const Weights& w, const float* a, int64_t m, float*
   p.blocks = w.blocks();
   p.quads_per_block = w.block / 4;
   p.quads = p.blocks * p.quads_per_block;
-  quantize(a, p);
+  quantize(a, 8, p);
   run(context, run_task, static_cast<size_t>((w.n + kPanelColumns - 1) / kPanelColumns), &p);
   return true;
 }
@@ -247,6 +338,7 @@ bool matmul_int8_panels_avx2(const Weights& w, const float* a, int64_t m, float*
 #else
 
 namespace bp {
+bool matmul_int8_avx2(const Weights&, const float*, int64_t, float*, ParallelFor, void*) { return false; }
 bool matmul_int8_panels_avx2(const Weights&, const float*, int64_t, float*, ParallelFor, void*) { return false; }
 }  // namespace bp
 

@@ -62,6 +62,10 @@ bool matmul_int8_panels(const Weights& w, const float* a, int64_t m, float* y, P
 // Many rows on a CPU with AVX2 and FMA (no AVX-512 needed): the same numbers as matmul_int8_avx512 (the same
 // activation quantization and exact block sums), B unpacked once per call, panel by panel, to its unsigned 4-bit codes,
 // products on vpmaddubsw. bits 4, block 16 or 32, no g_idx. False without AVX2 (nothing is written then).
+// Few rows on a CPU with AVX2 and FMA: the same numbers again, B read where it lies, one column at a time. bits 4, block
+// 32, no g_idx. False otherwise (nothing is written then).
+bool matmul_int8_avx2(const Weights& w, const float* a, int64_t m, float* y, ParallelFor run, void* context);
+
 bool matmul_int8_panels_avx2(const Weights& w, const float* a, int64_t m, float* y, ParallelFor run, void* context);
 
 struct Cpu {

@@ -28,19 +28,20 @@ constexpr OrtElementType kInputTypes[kInputs] = {ORT_FLOAT, ORT_UINT8, ORT_FLOAT
 
 // The kernel's paths: few rows (decode steps) on AVX-512 VNNI reading B as stored; many rows (a prompt) on AMX, bf16
 // panels of B (bits 4 and 8, no g_idx) or the int8 block products, and without AMX int8 panels of B on AVX-512 VNNI;
-// the float path where none applies. The AVX2 panels (4 bits) run only when forced, for now.
-enum class Path { kFloat, kAvx512, kAmxInt8, kAmxBf16, kPanels, kAvx2Panels };
-constexpr const char* kPathNames[] = {"float",          "int8 AVX-512",        "int8 AMX",
-                                      "bf16 AMX",       "int8 AVX-512 panels", "int8 AVX2 panels"};
+// the float path where none applies. The AVX2 paths (4 bits) run only when asked for, for now.
+enum class Path { kFloat, kAvx512, kAmxInt8, kAmxBf16, kPanels, kAvx2, kAvx2Panels };
+constexpr const char* kPathNames[] = {"float",    "int8 AVX-512",        "int8 AMX", "bf16 AMX",
+                                      "int8 AVX-512 panels", "int8 AVX2", "int8 AVX2 panels"};
 
 // Rows from which the many-rows path beats reading B as stored (bench_kernel.py): the bf16 panels, on a CPU with AMX
-// int8 only the int8 tiles, without AMX the int8 panels. BUILDER_PLUGIN_OPS_PATH=avx512, panels, avx2, amx or bf16
-// forces one path for every row count (benchmarks, tests); a path this CPU lacks, or avx2 on a node it does not take,
-// leaves the default. =vnni takes the paths of a CPU with AVX-512 VNNI but no AMX (what benchmarks emulate on one
-// with it).
+// int8 only the int8 tiles, without AMX the int8 panels, with AVX2 alone its panels. BUILDER_PLUGIN_OPS_PATH=avx512,
+// panels, amx or bf16 forces one path for every row count (benchmarks, tests); a path this CPU lacks leaves the
+// default. =vnni takes the paths of a CPU with AVX-512 VNNI but no AMX (what benchmarks emulate on one with it), =avx2
+// those of a CPU with AVX2 alone on the nodes they take (4 bits, blocks of 16 and 32; in place for few rows: 32).
 constexpr int64_t kBf16FromRows = 16;
 constexpr int64_t kAmxFromRows = 12;
 constexpr int64_t kPanelsFromRows = 20;
+constexpr int64_t kAvx2PanelsFromRows = 4;
 
 struct Kernel {
   ort::Api api;
@@ -106,8 +107,12 @@ void choose_paths(Kernel& kernel) {
     kernel.many = Path::kPanels;
     kernel.many_from_rows = kPanelsFromRows;
   }
-  const bool avx2_takes_it = kernel.bits == 4 && kernel.block <= 32;  // matmul_int8_panels_avx2's nodes
-  if (forced.path != Path::kFloat && (forced.path != Path::kAvx2Panels || avx2_takes_it)) {
+  if (forced.path == Path::kAvx2Panels) {
+    if (kernel.bits != 4 || kernel.block > 32) return;  // matmul_int8_panels_avx2's nodes
+    kernel.many = Path::kAvx2Panels;
+    kernel.few = kernel.block == 32 ? Path::kAvx2 : Path::kAvx2Panels;  // matmul_int8_avx2's
+    kernel.many_from_rows = kernel.few == kernel.many ? INT64_MAX : kAvx2PanelsFromRows;
+  } else if (forced.path != Path::kFloat) {
     kernel.few = kernel.many = forced.path;
     kernel.many_from_rows = INT64_MAX;
   }
@@ -190,6 +195,7 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* context) {
     if (path == Path::kAmxBf16) done = bp::matmul_bf16_amx(w, a, m, out, parallel_for, &ctx);
     if (path == Path::kAmxInt8) done = bp::matmul_int8_amx(w, a, m, out, parallel_for, &ctx);
     if (path == Path::kPanels) done = bp::matmul_int8_panels(w, a, m, out, parallel_for, &ctx);
+    if (path == Path::kAvx2) done = bp::matmul_int8_avx2(w, a, m, out, parallel_for, &ctx);
     if (path == Path::kAvx2Panels) done = bp::matmul_int8_panels_avx2(w, a, m, out, parallel_for, &ctx);
     if (path != Path::kFloat) done = done || bp::matmul_int8_avx512(w, a, m, out, parallel_for, &ctx);
   }

@@ -76,6 +76,19 @@ BP_AVX2 void quantize(const float* a, int64_t group, Plan& p) {
   }
 }
 
+// One call's plan: A's `m` rows quantized, in `group` order.
+Plan plan(const Weights& w, const float* a, int64_t m, float* y, int64_t group) {
+  Plan p{};
+  p.w = &w;
+  p.y = y;
+  p.m = m;
+  p.blocks = w.blocks();
+  p.quads_per_block = w.block / 4;
+  p.quads = p.blocks * p.quads_per_block;
+  quantize(a, group, p);
+  return p;
+}
+
 // A panel of B: codes [quads][2 vectors][32 bytes], then per block the 16 columns' weight scales and zero points.
 struct Panel {
   uint8_t* codes;
@@ -306,14 +319,7 @@ void few_rows_task(void* data, size_t index) {
 
 bool matmul_int8_avx2(const Weights& w, const float* a, int64_t m, float* y, ParallelFor run, void* context) {
   if (!cpu().avx2 || w.bits != 4 || w.block != 32 || w.g_idx != nullptr) return false;
-  Plan p{};
-  p.w = &w;
-  p.y = y;
-  p.m = m;
-  p.blocks = w.blocks();
-  p.quads_per_block = w.block / 4;
-  p.quads = p.blocks * p.quads_per_block;
-  quantize(a, 32, p);
+  Plan p = plan(w, a, m, y, 32);
   run(context, few_rows_task, static_cast<size_t>((w.n + kColumnsPerTask - 1) / kColumnsPerTask), &p);
   return true;
 }
@@ -321,14 +327,7 @@ bool matmul_int8_avx2(const Weights& w, const float* a, int64_t m, float* y, Par
 bool matmul_int8_panels_avx2(const Weights& w, const float* a, int64_t m, float* y, ParallelFor run, void* context) {
   if (!cpu().avx2 || w.bits != 4 || w.block < 16 || w.block / 4 > kMaxQuadsPerBlock || w.g_idx != nullptr)
     return false;
-  Plan p{};
-  p.w = &w;
-  p.y = y;
-  p.m = m;
-  p.blocks = w.blocks();
-  p.quads_per_block = w.block / 4;
-  p.quads = p.blocks * p.quads_per_block;
-  quantize(a, 8, p);
+  Plan p = plan(w, a, m, y, 8);
   run(context, run_task, static_cast<size_t>((w.n + kPanelColumns - 1) / kPanelColumns), &p);
   return true;
 }

@@ -1,5 +1,5 @@
-// The many-rows path (a prompt) for CPUs with AVX2 and FMA but no AVX-512: a packed-panel int8 GEMM on vpmaddubsw,
-// 4-bit weights.
+// The paths for CPUs with AVX2 and FMA but no AVX-512, 4-bit weights: many rows (a prompt) on a packed-panel int8
+// GEMM on vpmaddubsw, few rows (decode steps) reading B in place (column_rows below).
 //
 // A's rows are quantized per block of K as on the other int8 paths (the same codes and scales). Each task unpacks a
 // panel of B (16 columns x all of K) once into a buffer that stays in L2: per "quad" (4 rows of K), each 8 columns' 4
@@ -36,7 +36,7 @@ struct Plan {
   float* y;
   int64_t m, blocks, quads_per_block, quads;
   QuantizedRows rows;  // codes in the panel's order of K
-  Buffer sums;         // int32 [m][blocks]: each block's sum of A's codes
+  Buffer sums;         // int32 [m][blocks]: each block's sum of A's codes (the panels' zero-point terms)
   const int32_t* row_sums(int64_t r) const { return static_cast<const int32_t*>(sums.get()) + r * blocks; }
 };
 
@@ -266,9 +266,10 @@ void run_task(void* data, size_t index) {
 }
 
 // Few rows (decode steps): B read where it lies, one column at a time (one sequential stream per thread, which the
-// prefetchers follow), each block's 16 bytes widened to its 32 codes (low nibbles, then high ones) against R rows'
-// codes in that order; a block's 32-bit lane sums less the zero point x the block's code sum are exact, taken to
-// float with both scales per block and summed across the lanes at the column's end.
+// prefetchers follow), each block's 16 bytes widened to its 32 codes (low nibbles, then high ones) less the zero
+// point, against R rows' codes in that order: vpmaddubsw multiplies their magnitudes by the codes carrying their
+// signs, so a block's 32-bit lane sums are exact; taken to float with both scales per block, summed across the lanes
+// at the column's end.
 template <int R>
 BP_AVX2 void column_rows(const Plan& p, int64_t col, int64_t row0) {
   const Weights& w = *p.w;

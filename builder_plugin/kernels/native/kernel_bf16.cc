@@ -296,14 +296,8 @@ BP_BF16 void run_task(void* data, size_t index) {
   groups += groups % 2;  // pairs (columns past N unpack to zeros)
   const int64_t h0 = split * p.groups_per_split, h1 = std::min(p.groups, h0 + p.groups_per_split);
   if (h0 >= h1) return;
-  thread_local Buffer storage;
-  thread_local size_t capacity = 0;
-  const size_t needed = static_cast<size_t>(p.panel_groups * p.depth_steps * kTileElements * 2);
-  if (capacity < needed) {
-    storage = aligned_buffer(needed);
-    capacity = needed;
-  }
-  auto* buffer = static_cast<uint16_t*>(storage.get());
+  auto* buffer =
+      static_cast<uint16_t*>(thread_scratch(static_cast<size_t>(p.panel_groups * p.depth_steps * kTileElements * 2)));
   thread_local std::vector<float> scale_storage;
   scale_storage.resize(static_cast<size_t>(2 * kGroup * (p.depth_steps * kStep / p.w->block + 2)));
   GroupScales gs;

@@ -250,15 +250,9 @@ constexpr TileFn kTiles[kTileRows] = {tile<BITS, 1>, tile<BITS, 2>, tile<BITS, 3
 BP_VNNI void run_task(void* data, size_t index) {
   const Plan& p = *static_cast<const Plan*>(data);
   const int64_t col0 = static_cast<int64_t>(index) * kPanelColumns;
-  thread_local Buffer storage;
-  thread_local size_t capacity = 0;
   const size_t code_bytes = static_cast<size_t>(p.quads * kQuadBytes);
-  const size_t needed = code_bytes + static_cast<size_t>(2 * p.blocks * kPanelColumns * 4);
-  if (capacity < needed) {
-    storage = aligned_buffer(needed);
-    capacity = needed;
-  }
-  auto* bytes = static_cast<uint8_t*>(storage.get());
+  auto* bytes =
+      static_cast<uint8_t*>(thread_scratch(code_bytes + static_cast<size_t>(2 * p.blocks * kPanelColumns * 4)));
   const Panel panel{bytes, reinterpret_cast<float*>(bytes + code_bytes),
                     reinterpret_cast<float*>(bytes + code_bytes) + p.blocks * kPanelColumns};
   const TileFn* tiles = p.w->bits == 4 ? kTiles<4> : kTiles<8>;

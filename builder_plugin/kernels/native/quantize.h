@@ -15,6 +15,18 @@ struct AlignedFree {
 using Buffer = std::unique_ptr<void, AlignedFree>;
 inline Buffer aligned_buffer(size_t bytes) { return Buffer(::operator new(bytes, std::align_val_t(64))); }
 
+// This thread's scratch memory of at least `bytes` (64-byte aligned), kept for its next task: where a task of the
+// panel paths unpacks its panel. One per thread for every path (a thread runs one task at a time).
+inline void* thread_scratch(size_t bytes) {
+  thread_local Buffer storage;
+  thread_local size_t capacity = 0;
+  if (capacity < bytes) {
+    storage = aligned_buffer(bytes);
+    capacity = bytes;
+  }
+  return storage.get();
+}
+
 struct QuantizedRows {
   int64_t rows = 0, padded = 0, blocks = 0;
   Buffer codes;   // int8 [rows][padded]

@@ -33,6 +33,7 @@ static void answer_cpuid(int sig, siginfo_t *info, void *raw) {
     d &= ~(unsigned)(HIDE_LEAF7_EDX);
   } else if (leaf == 7 && sub == 1) {
     a &= ~(unsigned)(HIDE_LEAF7_1_EAX);
+    d &= ~(unsigned)(HIDE_LEAF7_1_EDX);
   }
   r[REG_RAX] = a;
   r[REG_RBX] = b;

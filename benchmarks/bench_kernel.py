@@ -17,8 +17,8 @@ comparison when the machine's bandwidth moves). Reported: run time, the stored b
 read bound (the best probe beside the run),
 GFLOP/s (2 x rows x K x N per node), and the anonymous memory the session holds after load (onnxruntime's kernel
 keeps a prepacked copy of the weights; the library reads them where the session loaded them). Where the library
-registers nothing (not built, or no AVX-512 VNNI: `python -m benchmarks.cpu_class avx2 -- ...` runs such a CPU's
-paths) onnxruntime's kernel and its int8 GEMM are measured alone.
+registers nothing (not built, or no AVX2) onnxruntime's kernel and its int8 GEMM are measured alone;
+`python -m benchmarks.cpu_class avx2 -- ...` runs the paths of a CPU with AVX2 alone.
 Results: benchmarks/results/kernel.json and the "MatMulNBits kernel of the library" section of docs/benchmarks.md.
 """
 
@@ -129,7 +129,7 @@ def _key(kernel: str, rows: int) -> str:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    # where the library registers nothing (not built, or a CPU without AVX-512 VNNI, as benchmarks.cpu_class runs one)
+    # where the library registers nothing (not built, or a CPU without AVX2)
     # onnxruntime's kernels are measured alone
     measured = KERNELS if kernels.level() != "none" else ("onnxruntime",)
     threads = args.threads or default_threads()

@@ -423,7 +423,7 @@ def publish(results: dict[str, Any], out: str | Path, doc: str, heading: str, bo
 
 # The kernel library's level (builder_plugin.kernels.level()) -> the CPU class a per-class report section names.
 MACHINE_CLASSES = {"amx_bf16": "", "amx": "AMX int8", "avx512_vnni": "AVX-512 VNNI without AMX",
-                   "none": "without AVX-512 VNNI"}
+                   "avx2": "without AVX-512 VNNI", "none": "without AVX2"}
 
 
 def per_machine_class(heading: str) -> Callable[[dict[str, Any]], str]:

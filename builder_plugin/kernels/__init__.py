@@ -1,12 +1,12 @@
 """The project's onnxruntime operator library: a CPU kernel for com.microsoft MatMulNBits (native/, built from source
 by `pip install`) that reads the package's int4/int8 weights in place (or from a copy of its own:
-BUILDER_PLUGIN_OPS_WEIGHTS) with AVX-512 VNNI for a few rows (decode steps) and runs many rows (prompts, encoders) on
-bf16 tiles where the CPU has AMX, on int8 panels where it does not; and the encoders' and the prompts' attention in
-bf16 (AMX tiles, or AVX-512 BF16).
+BUILDER_PLUGIN_OPS_WEIGHTS) for a few rows (decode steps, AVX-512 VNNI or AVX2) and runs many rows (prompts,
+encoders) on bf16 tiles where the CPU has AMX, on int8 panels where it does not; and the encoders' and the prompts'
+attention in bf16 (AMX tiles, or AVX-512 BF16).
 
 Registered on a session (onnxruntime's `SessionOptions.register_custom_ops_library`, genai_config's
 `session_options.custom_ops_library`), onnxruntime prefers it to its own kernel for every MatMulNBits of that
-session; the graphs are unchanged. On a CPU without AVX-512 VNNI the library registers nothing and onnxruntime's
+session; the graphs are unchanged. On a CPU without AVX2 and FMA the library registers nothing and onnxruntime's
 kernel runs. Stdlib only.
 """
 
@@ -17,11 +17,14 @@ import functools
 from pathlib import Path
 
 LIBRARY_NAME = "libbuilder_plugin_ops.so"
-# What the library does on this CPU (its BuilderPluginOpsLevel()): the order of LEVELS. "amx": AMX int8 tiles;
-# "amx_bf16": and AMX bf16, the path of many rows (prompts).
-LEVELS = ("none", "avx512_vnni", "amx", "amx_bf16")
+# What the library does on this CPU (its BuilderPluginOpsLevel()): the order of LEVELS. "avx2": its AVX2 paths (a CPU
+# without AVX-512 VNNI); "amx": AMX int8 tiles; "amx_bf16": and AMX bf16, the path of many rows (prompts).
+LEVELS = ("none", "avx2", "avx512_vnni", "amx", "amx_bf16")
+# The smallest block_size whose packages the library runs faster than onnxruntime's kernel, per level (others: any):
+# with AVX2 alone, decode steps read B in place from blocks of 32 (blocks of 16 would unpack all of B every step).
+MIN_BLOCK_SIZE = {"avx2": 32}
 # /proc/cpuinfo flags under which the library has a faster path than onnxruntime's kernel.
-FAST_PATH_FLAGS = ("avx512_vnni",)
+FAST_PATH_FLAGS = ("avx2",)
 
 
 def library_path() -> Path | None:
@@ -32,8 +35,8 @@ def library_path() -> Path | None:
 
 @functools.cache
 def level() -> str:
-    """What the library would do in this process: "none" (registers nothing), "avx512_vnni", "amx" or "amx_bf16";
-    "none" without the library."""
+    """What the library would do in this process: "none" (registers nothing), "avx2", "avx512_vnni", "amx" or
+    "amx_bf16"; "none" without the library."""
     path = library_path()
     if path is None:
         return "none"
@@ -80,5 +83,5 @@ def missing_notice() -> str | None:
     """One line for the user where this CPU has a faster path than onnxruntime's kernel but the library is absent."""
     if library_path() is None and any(flag in cpu_flags() for flag in FAST_PATH_FLAGS):
         return (f"builder_plugin: {LIBRARY_NAME} was not built (no C++ compiler at install time?); this CPU's "
-                "AVX-512 VNNI MatMulNBits path is off and onnxruntime's kernel runs")
+                "faster MatMulNBits paths are off and onnxruntime's kernel runs")
     return None

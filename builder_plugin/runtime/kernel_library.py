@@ -1,4 +1,4 @@
-"""The project's operator library (builder_plugin.kernels: MatMulNBits on AVX-512 VNNI and AMX) in a package's
+"""The project's operator library (builder_plugin.kernels: MatMulNBits on AVX2, AVX-512 VNNI and AMX) in a package's
 sessions, where it is faster than onnxruntime's own kernel: decided per package and machine when the package is
 opened, registered through the sessions' ``custom_ops_library``, the package itself left untouched.
 
@@ -6,8 +6,9 @@ opened, registered through the sessions' ``custom_ops_library``, the package its
   is float32 only, and registered it replaces onnxruntime's for every MatMulNBits of the session) with
   ``accuracy_level`` 4 (the CPU default: int8 activations per block; the library keeps that for decode steps and
   runs prompts in bf16 where the CPU has AMX); another package, another provider, an older
-  package without a build record, ``BUILDER_PLUGIN_KERNELS=0``, or a CPU without AVX-512 VNNI (where the library
-  registers nothing) keep onnxruntime's kernel.
+  package without a build record, ``BUILDER_PLUGIN_KERNELS=0``, a CPU without AVX2 (where the library registers
+  nothing), or on a CPU with AVX2 but no AVX-512 VNNI a package with blocks smaller than 32 keep onnxruntime's
+  kernel.
 - onnxruntime-genai 0.18 takes a ``custom_ops_library`` only from inside the package folder, an execution provider's
   library folder or the current directory (links resolved): the model is created with the library's own folder as
   the current directory (``loading``), so a read-only package works and nothing is copied.
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from builder_plugin import kernels
+from builder_plugin.errors import InputError
+from builder_plugin.extra_options import check_extra_options
 from builder_plugin.precisions import QUANTIZED_PRECISIONS, default_accuracy_level
 
 log = logging.getLogger("builder_plugin.runtime")
@@ -41,7 +44,11 @@ def for_package(builder: Mapping[str, Any] | None, execution_provider: str | Non
     options = (builder or {}).get("options") or {}
     built_for = options.get("execution_provider")
     provider = execution_provider or built_for
-    accuracy = (options.get("extra_options") or {}).get("accuracy_level")
+    try:  # the record keeps --extra_options as given
+        extra = check_extra_options(options.get("extra_options") or {}, options.get("precision"))
+    except InputError:
+        return None
+    accuracy = extra["accuracy_level"]
     if accuracy is None and built_for is not None:
         accuracy = default_accuracy_level(built_for)
     if provider != "cpu" or built_for != "cpu" or options.get("precision") not in QUANTIZED_PRECISIONS or \
@@ -51,7 +58,12 @@ def for_package(builder: Mapping[str, Any] | None, execution_provider: str | Non
     if notice is not None:
         log.warning(notice)
         return None
-    if kernels.level() == "none":
+    level = kernels.level()
+    if level == "none":
+        return None
+    if extra["block_size"] < kernels.MIN_BLOCK_SIZE.get(level, 0):
+        log.info("builder_plugin: block_size %d is below the library's %d on this CPU (%s); onnxruntime's "
+                 "MatMulNBits runs", extra["block_size"], kernels.MIN_BLOCK_SIZE[level], level)
         return None
     return kernels.library_path()
 

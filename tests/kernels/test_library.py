@@ -35,8 +35,9 @@ def test_level_names_what_the_cpu_offers():
     flags = kernels.cpu_flags()
     vnni = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"} <= flags
     amx = vnni and {"amx_tile", "amx_int8"} <= flags
+    avx2 = {"avx2", "fma"} <= flags
     expected = "amx_bf16" if amx and {"amx_bf16", "avx512_bf16"} <= flags else (
-        "amx" if amx else ("avx512_vnni" if vnni else "none"))
+        "amx" if amx else ("avx512_vnni" if vnni else ("avx2" if avx2 else "none")))
     assert kernels.level() == expected
 
 
@@ -48,5 +49,5 @@ def test_notice_only_where_a_faster_path_is_missing(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "cpu_flags", lambda: flags)
     monkeypatch.setattr(kernels, "library_path", lambda: None)
     assert "libbuilder_plugin_ops.so was not built" in kernels.missing_notice()
-    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx2", "fma"})
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: {"avx", "sse4_2"})
     assert kernels.missing_notice() is None

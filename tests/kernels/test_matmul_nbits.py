@@ -1,8 +1,7 @@
 """The library's MatMulNBits kernel (builder_plugin/kernels) through onnxruntime, against independent numpy
 references: the exact integer block sums of its int8 path, the float result within the activation quantization's
 bound, and onnxruntime's own kernel; its bf16 path of many rows (AMX) against the exact sums of bf16-rounded operands.
-Where this CPU lacks AVX-512 VNNI the library must register nothing, and the session answers with onnxruntime's
-kernel."""
+Where this CPU lacks AVX2 the library must register nothing, and the session answers with onnxruntime's kernel."""
 
 from __future__ import annotations
 
@@ -25,18 +24,32 @@ LIBRARY = kernels.library_path()
 ACTIVE = kernels.level() != "none"
 TRACE = "BUILDER_PLUGIN_OPS_TRACE"
 # The int8 paths this CPU runs (BUILDER_PLUGIN_OPS_PATH forces one for every row count) and the trace naming each.
-# avx2: a CPU with AVX2 alone on 4-bit nodes with blocks of 16 and 32, in place up to 3 rows for blocks of 32 (other
-# nodes keep their default paths under it).
-AVX2_PATHS = {16: "int8 AVX2 panels path", 32: "int8 AVX2 (up to 3 rows) / int8 AVX2 panels path"}
-PATHS = {"avx512": "int8 AVX-512 path", "panels": "int8 AVX-512 panels path", "avx2": AVX2_PATHS[32],
-         "amx": "int8 AMX path"}
-INT8_PATHS = [path for path in PATHS if path != "amx" or kernels.level() in ("amx", "amx_bf16")]
+# avx2: the paths of a CPU with AVX2 alone, by node (avx2_trace).
+PATHS = {"avx512": "int8 AVX-512 path", "panels": "int8 AVX-512 panels path", "amx": "int8 AMX path"}
+VNNI = kernels.level() in ("avx512_vnni", "amx", "amx_bf16")
+INT8_PATHS = ["avx2"] + (["avx512", "panels"] if VNNI else []) + (["amx"] if kernels.level() in ("amx", "amx_bf16")
+                                                                 else [])
 BF16 = kernels.level() == "amx_bf16"
 BF16_FROM_ROWS = 16  # ops.cc: kBf16FromRows
 PANELS_FROM_ROWS = 20  # ops.cc: kPanelsFromRows
+AVX2_PANELS_FROM_ROWS = 16  # ops.cc: kAvx2PanelsFromRows
 WITHOUT_AMX = f"int8 AVX-512 (up to {PANELS_FROM_ROWS - 1} rows) / int8 AVX-512 panels path"
-# The paths a node takes by default on this CPU, as the trace names them ("" where the library registers nothing).
-DEFAULT_PATHS = {"none": "", "avx512_vnni": WITHOUT_AMX, "amx": "int8 AVX-512 (up to 11 rows) / int8 AMX path",
+
+
+def avx2_trace(bits: int, block: int) -> str:
+    """The paths of a node with AVX2 alone: 8 bits in place from blocks of 32 (float below), 4 bits in place for few
+    rows from blocks of 32 and on panels for many (blocks of 16: panels only)."""
+    if bits == 8:
+        return "int8 AVX2 path" if block >= 32 else "float path"
+    if block < 32:
+        return "int8 AVX2 panels path"
+    return f"int8 AVX2 (up to {AVX2_PANELS_FROM_ROWS - 1} rows) / int8 AVX2 panels path"
+
+
+# The paths a 4-bit node with blocks of 32 takes by default on this CPU, as the trace names them ("" where the
+# library registers nothing).
+DEFAULT_PATHS = {"none": "", "avx2": avx2_trace(4, 32), "avx512_vnni": WITHOUT_AMX,
+                 "amx": "int8 AVX-512 (up to 11 rows) / int8 AMX path",
                  "amx_bf16": f"int8 AVX-512 (up to {BF16_FROM_ROWS - 1} rows) / bf16 AMX path"}[kernels.level()]
 
 
@@ -48,8 +61,9 @@ def int8_path(request, monkeypatch):
 
 def test_library_is_built_and_matches_the_cpu():
     assert LIBRARY is not None, "pip install builds builder_plugin/kernels/libbuilder_plugin_ops.so"
-    needed = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
-    assert ACTIVE is needed.issubset(kernels.cpu_flags())
+    flags = kernels.cpu_flags()
+    assert ACTIVE is {"avx2", "fma"}.issubset(flags)
+    assert VNNI is {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}.issubset(flags)
 
 
 def session(path, library: bool, threads: int = 2) -> ort.InferenceSession:
@@ -66,9 +80,15 @@ def run(path, a: np.ndarray, library: bool) -> np.ndarray:
 
 def forced_trace(int8_path: str, bits: int, block: int) -> str:
     """The trace of a node of `bits` and `block` under BUILDER_PLUGIN_OPS_PATH=`int8_path`."""
-    if int8_path == "avx2":
-        return AVX2_PATHS[block] if bits == 4 and block in AVX2_PATHS else DEFAULT_PATHS
-    return PATHS[int8_path]
+    return avx2_trace(bits, block) if int8_path == "avx2" else PATHS[int8_path]
+
+
+def expected_sums(int8_path: str, b, a: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
+    """What the node's path sums up to float32 rounding: the exact int8 block sums, or where the path is the float one
+    the float result."""
+    if forced_trace(int8_path, b.bits, b.block) == "float path":
+        return a.astype(np.float64) @ b.dequantized().T + (bias if bias is not None else 0.0)
+    return int8_reference(b, a, bias)
 
 
 def traced_path(capfd, path) -> str:
@@ -102,7 +122,7 @@ def test_integer_sums_are_exact(tmp_path, monkeypatch, capfd, int8_path, bits, b
     monkeypatch.setenv(TRACE, "1")
     assert traced_path(capfd, path) == (forced_trace(int8_path, bits, block) if ACTIVE else "")
     y = run(path, a, library=True)
-    expected = int8_reference(b, a)
+    expected = expected_sums(int8_path, b, a)
     if ACTIVE:
         np.testing.assert_array_equal(y.astype(np.float64), expected)
     else:
@@ -124,7 +144,7 @@ def test_random_weights_within_bounds(tmp_path, int8_path, bits, block, zero_poi
     exact = a.astype(np.float64) @ b.dequantized().T + (bias if bias is not None else 0.0)
     bound = quantization_bound(b, a)
     if ACTIVE:  # float32 sums of exact block products, then within the quantization bound of the float result
-        assert np.abs(y - int8_reference(b, a, bias)).max() <= 1e-5 * (np.abs(exact).max() + 1)
+        assert np.abs(y - expected_sums(int8_path, b, a, bias)).max() <= 1e-5 * (np.abs(exact).max() + 1)
         assert np.all(np.abs(y - exact) <= bound * 1.001 + 1e-5)
         assert np.all(np.abs(y - builtin) <= 2 * bound + 1e-4)
     else:
@@ -145,7 +165,7 @@ def test_drawn_shapes_against_the_int8_reference(tmp_path, int8_path, seed):
     y = run(path, a, library=True).astype(np.float64)
     if ACTIVE:
         exact = a.astype(np.float64) @ b.dequantized().T
-        assert np.abs(y - int8_reference(b, a, bias)).max() <= 1e-5 * (np.abs(exact).max() + 1)
+        assert np.abs(y - expected_sums(int8_path, b, a, bias)).max() <= 1e-5 * (np.abs(exact).max() + 1)
     else:
         np.testing.assert_array_equal(y, run(path, a, library=False))
 

@@ -18,7 +18,7 @@ from builder_plugin.runtime.kernel_library import SWITCH, for_package
 
 CPU_INT4 = {"options": {"precision": "int4", "execution_provider": "cpu", "extra_options": {}}}
 TEXT_ATOL = 1e-4  # the same integer sums, scaled and added in another order
-NEEDS_VNNI = pytest.mark.skipif(kernels.level() == "none", reason="the library has no fast path on this CPU")
+NEEDS_LIBRARY = pytest.mark.skipif(kernels.level() == "none", reason="the library has no fast path on this CPU")
 
 
 def _with(**options) -> dict:
@@ -30,17 +30,25 @@ def test_which_packages_run_on_the_library(monkeypatch):
     expected = kernels.library_path() if kernels.level() != "none" else None
     assert for_package(CPU_INT4, None) == expected
     assert for_package(_with(precision="int8"), None) == expected
-    assert for_package(_with(extra_options={"accuracy_level": 4}), "cpu") == expected
+    assert for_package(_with(extra_options={"accuracy_level": "4"}), "cpu") == expected  # recorded as given
+    assert for_package(_with(extra_options={"block_size": "64"}), None) == expected
+    small_blocks = _with(extra_options={"block_size": "16"})
+    assert for_package(small_blocks, None) == (None if kernels.level() == "avx2" else expected)
     refused = [_with(precision="fp32"), _with(precision="fp16", execution_provider="cuda"),
-               _with(extra_options={"accuracy_level": 1}), _with(execution_provider="webgpu"), None, {}]
+               _with(extra_options={"accuracy_level": "1"}), _with(extra_options={"accuracy_level": "9"}),
+               _with(execution_provider="webgpu"), None, {}]
     assert [for_package(builder, None) for builder in refused] == [None] * len(refused)
     assert for_package(CPU_INT4, "cuda") is None  # run on another provider than it was built for
     assert for_package(CPU_INT4, None, wanted=False) is None
+    if kernels.library_path() is not None:  # with AVX2 alone a decode step of blocks of 16 would unpack all of B
+        monkeypatch.setattr(kernels, "level", lambda: "avx2")
+        assert for_package(small_blocks, None) is None
+        assert for_package(CPU_INT4, None) == kernels.library_path()
     monkeypatch.setenv(SWITCH, "0")
     assert for_package(CPU_INT4, None) is None
 
 
-@NEEDS_VNNI
+@NEEDS_LIBRARY
 def test_a_package_answers_as_with_onnxruntimes_kernel(tiny_int4_package, tiny_package, media_dir):
     """Text: the decoder's one-row products are the same integer sums, so the same logits. An image: the encoder's
     many-row products round activations on other paths than onnxruntime's, and the logits are as far from the float
@@ -65,7 +73,7 @@ def test_a_package_answers_as_with_onnxruntimes_kernel(tiny_int4_package, tiny_p
         "decoder"]["session_options"]
 
 
-@NEEDS_VNNI
+@NEEDS_LIBRARY
 def test_every_matmul_nbits_runs_on_the_library(tiny_int4_package):
     """A fresh process loads the package through Chat; the library names each MatMulNBits kernel it makes."""
     script = f"from builder_plugin.runtime import Chat; Chat({str(tiny_int4_package)!r}).load('phi-4-mm-text.onnx')"

@@ -1,11 +1,12 @@
-// The paths for CPUs with AVX2 and FMA but no AVX-512, 4-bit weights: many rows (a prompt) on a packed-panel int8
-// GEMM on vpmaddubsw, few rows (decode steps) reading B in place (column_rows below).
+// The paths for CPUs with AVX2 and FMA but no AVX-512: few rows (decode steps), and 8-bit weights at any row count,
+// reading B in place (column_rows below; blocks of 32 and more); many rows of 4-bit weights (a prompt) on a
+// packed-panel int8 GEMM on vpmaddubsw (blocks of 16 and more).
 //
 // A's rows are quantized per block of K as on the other int8 paths (the same codes and scales). Each task unpacks a
 // panel of B (16 columns x all of K) once into a buffer that stays in L2: per "quad" (4 rows of K), each 8 columns' 4
 // codes side by side in one 32-byte vector. A's codes come in the panel's order of K (per 8 rows of K: 0 2 4 6 1 3 5
 // 7, the low nibbles of a 32-bit word of B first). The codes stay unsigned (0..15) against A's signed codes, so
-// vpmaddubsw's pair sums are at most 2 x 15 x 127 and a whole block of 32 sums in 16 bits (8 quads: 30,480 < 32,767);
+// vpmaddubsw's pair sums are at most 2 x 15 x 127 and 32 rows of K sum in 16 bits (8 quads: 30,480 < 32,767);
 // vpmaddwd then gives each column's 32-bit block sum, less the zero point x the block's sum of A's codes: exact
 // integers, converted to float with both scales.
 #include "matmul_nbits.h"
@@ -29,23 +30,30 @@ constexpr int kPanelVectors = 2;                       // vectors per panel
 constexpr int kPanelColumns = kLanes * kPanelVectors;  // 16
 constexpr int kQuadBytes = kPanelVectors * 32;         // one quad of the panel
 constexpr int kTileRows = 3;                           // rows of A per tile
-constexpr int kMaxQuadsPerBlock = 8;                   // blocks of up to 32: their 16-bit sums cannot overflow
+constexpr int kColumnTileRows = 3;                     // rows of A per column pass of the few-rows path
+constexpr int kMaxQuadsPerSpan = 8;                    // 32 rows of K: their 16-bit sums cannot overflow
 
 struct Plan {
   const Weights* w;
   float* y;
-  int64_t m, blocks, quads_per_block, quads;
+  int64_t m, blocks, quads_per_block, quads, units;  // units: 32 rows of K each, the few-rows path's steps
   QuantizedRows rows;  // codes in the panel's order of K
   Buffer sums;         // int32 [m][blocks]: each block's sum of A's codes (the panels' zero-point terms)
+  Buffer unit_sums;    // int32 [m][units]: each unit's, zero past K (the few-rows path's; empty for the panels)
   const int32_t* row_sums(int64_t r) const { return static_cast<const int32_t*>(sums.get()) + r * blocks; }
+  const int32_t* row_unit_sums(int64_t r) const { return static_cast<const int32_t*>(unit_sums.get()) + r * units; }
 };
 
+// Where row i of K goes in A's codes: in each `group` rows the even ones first, then the odd ones.
+inline int64_t position(int64_t i, int64_t group) { return (i & -group) + (i & (group - 1)) / 2 + group / 2 * (i & 1); }
+
 // A quantized per row and block (quantize.h's arithmetic: scale = max|a| / 127, codes rounded to nearest even), each
-// block's code sum; in each `group` rows of K the even ones first, then the odd ones (the order of B's low nibbles,
-// then its high ones: 8 for the panels' 32-bit words, 32 for a block's 16 bytes read in place).
-BP_AVX2 void quantize(const float* a, int64_t group, Plan& p) {
+// block's and unit's code sum; in each `group` rows of K the even ones first, then the odd ones (the order of B's low
+// nibbles, then its high ones: 8 for the panels' 32-bit words, 64 for two units' 32 bytes read in place; 1 keeps K's
+// order, as 8-bit B is read in place).
+BP_AVX2 void quantize(const float* a, int64_t group, bool unit_sums, Plan& p) {
   const Weights& w = *p.w;
-  const int64_t block = w.block, padded = p.quads * 4;
+  const int64_t block = w.block, padded = p.units * 32;
   QuantizedRows& out = p.rows;
   out.rows = p.m;
   out.padded = padded;
@@ -53,6 +61,7 @@ BP_AVX2 void quantize(const float* a, int64_t group, Plan& p) {
   out.codes = aligned_buffer(static_cast<size_t>(p.m * padded + 64));
   out.scales = aligned_buffer(static_cast<size_t>(p.m * p.blocks * 4 + 64));
   p.sums = aligned_buffer(static_cast<size_t>(p.m * p.blocks * 4 + 64));
+  if (unit_sums) p.unit_sums = aligned_buffer(static_cast<size_t>(p.m * p.units * 4 + 64));
   for (int64_t r = 0; r < p.m; ++r) {
     const float* x = a + r * w.k;
     auto* codes = static_cast<int8_t*>(out.codes.get()) + r * padded;
@@ -68,16 +77,20 @@ BP_AVX2 void quantize(const float* a, int64_t group, Plan& p) {
       int32_t sum = 0;
       for (int64_t i = start; i < end; ++i) {
         const auto code = static_cast<int8_t>(std::nearbyint(std::min(std::max(x[i] * inv, -127.0f), 127.0f)));
-        codes[(i & -group) + (i & (group - 1)) / 2 + group / 2 * (i & 1)] = code;
+        codes[position(i, group)] = code;
         sum += code;
       }
       sums[b] = sum;
     }
+    if (!unit_sums) continue;
+    auto* units = static_cast<int32_t*>(p.unit_sums.get()) + r * p.units;
+    std::memset(units, 0, static_cast<size_t>(p.units * 4));
+    for (int64_t i = 0; i < w.k; ++i) units[i / 32] += codes[position(i, group)];
   }
 }
 
-// One call's plan: A's `m` rows quantized, in `group` order.
-Plan plan(const Weights& w, const float* a, int64_t m, float* y, int64_t group) {
+// One call's plan: A's `m` rows quantized, in `group` order (and each unit's sum of codes, for the few-rows path).
+Plan plan(const Weights& w, const float* a, int64_t m, float* y, int64_t group, bool unit_sums) {
   Plan p{};
   p.w = &w;
   p.y = y;
@@ -85,8 +98,48 @@ Plan plan(const Weights& w, const float* a, int64_t m, float* y, int64_t group) 
   p.blocks = w.blocks();
   p.quads_per_block = w.block / 4;
   p.quads = p.blocks * p.quads_per_block;
-  quantize(a, group, p);
+  p.units = (p.quads * 4 + 255) / 256 * 8;  // whole steps of the few-rows path (8 units), whole groups
+  quantize(a, group, unit_sums, p);
   return p;
+}
+
+// The few-rows path's per-unit terms of A, per step of 8 units (zeros past K): the scales (its block's) in the order
+// column_rows() sums the step's units (Bits<>::kOrder), and scale x sum of codes (the zero points' share) in K's order.
+class FewRows {
+ public:
+  FewRows(const Plan& p, const int (&order)[kLanes])
+      : units_(p.units), scales_(aligned_buffer(static_cast<size_t>(p.m * units_ * 4))),
+        zero_terms_(aligned_buffer(static_cast<size_t>(p.m * units_ * 4))) {
+    const int64_t per_block = p.w->block / 32;
+    for (int64_t r = 0; r < p.m; ++r) {
+      const float* block_scales = p.rows.row_scales(r);
+      const int32_t* sums = p.row_unit_sums(r);
+      float* ordered = static_cast<float*>(scales_.get()) + r * units_;
+      float* zeros = static_cast<float*>(zero_terms_.get()) + r * units_;
+      for (int64_t u = 0; u < units_; ++u) {
+        const int64_t b = u / per_block, ordered_b = (u & -kLanes) / per_block + order[u % kLanes] / per_block;
+        zeros[u] = b < p.blocks ? block_scales[b] * static_cast<float>(sums[u]) : 0.0f;
+        ordered[u] = ordered_b < p.blocks ? block_scales[ordered_b] : 0.0f;
+      }
+    }
+  }
+  const float* scales(int64_t r) const { return static_cast<const float*>(scales_.get()) + r * units_; }
+  const float* zero_terms(int64_t r) const { return static_cast<const float*>(zero_terms_.get()) + r * units_; }
+
+ private:
+  int64_t units_;
+  Buffer scales_, zero_terms_;
+};
+
+// Lanes [0, count) set.
+BP_AVX2 inline __m256i lanes_below(int64_t count) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+BP_AVX2 inline float horizontal_sum(__m256 v) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
 }
 
 // A panel of B: codes [quads][2 vectors][32 bytes], then per block the 16 columns' weight scales and zero points.
@@ -117,12 +170,13 @@ BP_AVX2 inline void transpose8(__m256i r[8]) {
 
 // Column `col`'s 4-bit zero points of blocks [b0, b0 + count) (count <= 8, b0 even), one per 32-bit lane, the lanes
 // past count undefined; the codes as Weights::zero_point reads them (block 2i the low nibble of byte i).
-BP_AVX2 __m256i zero_point_lanes(const Weights& w, int64_t col, int64_t b0, int64_t count) {
+BP_AVX2 inline __m256i zero_point_lanes(const Weights& w, int64_t col, int64_t b0, int64_t count) {
   if (w.zero_points == nullptr) return _mm256_set1_epi32(1 << (w.bits - 1));
   uint32_t packed = 0;
   std::memcpy(&packed, w.zero_points + col * w.zero_point_columns() + b0 / 2, static_cast<size_t>((count + 1) / 2));
   const __m128i bytes = _mm_cvtsi32_si128(static_cast<int>(packed)), low = _mm_set1_epi8(0x0F);
-  return _mm256_cvtepu8_epi32(_mm_unpacklo_epi8(_mm_and_si128(bytes, low), _mm_and_si128(_mm_srli_epi16(bytes, 4), low)));
+  return _mm256_cvtepu8_epi32(
+      _mm_unpacklo_epi8(_mm_and_si128(bytes, low), _mm_and_si128(_mm_srli_epi16(bytes, 4), low)));
 }
 
 // Columns [col0, col0 + 16) unpacked (columns past N as zeros), 8 columns x 8 words (64 rows of K) at a time: per
@@ -138,8 +192,7 @@ BP_AVX2 void unpack(const Plan& p, int64_t col0, const Panel& panel) {
     uint8_t* out = panel.codes + v * 32;
     for (int64_t i0 = 0; i0 < words; i0 += kLanes) {
       const int64_t count = std::min<int64_t>(words - i0, kLanes);
-      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)),
-                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      const __m256i mask = lanes_below(count);
       __m256i chunk[kLanes];
       for (int j = 0; j < kLanes; ++j) {
         const auto* at = reinterpret_cast<const int*>(w.packed + (first + j) * column_bytes + 4 * i0);
@@ -158,8 +211,7 @@ BP_AVX2 void unpack(const Plan& p, int64_t col0, const Panel& panel) {
     }
     for (int64_t b0 = 0; b0 < p.blocks; b0 += kLanes) {  // 8 columns x 8 blocks of scales and zero points
       const int64_t count = std::min<int64_t>(p.blocks - b0, kLanes);
-      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)),
-                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      const __m256i mask = lanes_below(count);
       __m256i scales[kLanes], zero_points[kLanes];
       for (int j = 0; j < kLanes; ++j) {
         if (j >= valid) {
@@ -182,8 +234,9 @@ BP_AVX2 void unpack(const Plan& p, int64_t col0, const Panel& panel) {
   }
 }
 
-// Rows [row0, row0 + R) x the panel's columns over all of K, into Y (with the bias).
-template <int R>
+// Rows [row0, row0 + R) x the panel's columns over all of K, into Y (with the bias). kLongBlocks: blocks past 32
+// rows of K, summed 32 rows at a time.
+template <int R, bool kLongBlocks>
 BP_AVX2 void tile(const Plan& p, const Panel& panel, int64_t col0, int64_t row0) {
   __m256 f[R][kPanelVectors];
   for (int r = 0; r < R; ++r)
@@ -200,19 +253,31 @@ BP_AVX2 void tile(const Plan& p, const Panel& panel, int64_t col0, int64_t row0)
   const uint8_t* wq = panel.codes;
   int64_t quad = 0;
   for (int64_t b = 0; b < p.blocks; ++b) {
-    __m256i acc[R][kPanelVectors];
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < kPanelVectors; ++c) acc[r][c] = _mm256_setzero_si256();
+    __m256i exact[R][kPanelVectors];  // the block's sums, 8 quads (32 rows of K) at a time in 16 bits
+    for (int64_t span = 0; span < p.quads_per_block; span += kMaxQuadsPerSpan) {
+      __m256i acc[R][kPanelVectors];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < kPanelVectors; ++c) acc[r][c] = _mm256_setzero_si256();
+      const int64_t span_quads = kLongBlocks ? std::min<int64_t>(kMaxQuadsPerSpan, p.quads_per_block - span)
+                                             : p.quads_per_block;
 #pragma GCC unroll 8
-    for (int64_t q = 0; q < p.quads_per_block; ++q, ++quad, wq += kQuadBytes) {
-      const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wq));
-      const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wq + 32));
+      for (int64_t q = 0; q < span_quads; ++q, ++quad, wq += kQuadBytes) {
+        const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wq));
+        const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wq + 32));
 #pragma GCC unroll 4
-      for (int r = 0; r < R; ++r) {
-        const __m256i x = _mm256_set1_epi32(a[r][quad]);
-        acc[r][0] = _mm256_add_epi16(acc[r][0], _mm256_maddubs_epi16(w0, x));
-        acc[r][1] = _mm256_add_epi16(acc[r][1], _mm256_maddubs_epi16(w1, x));
+        for (int r = 0; r < R; ++r) {
+          const __m256i x = _mm256_set1_epi32(a[r][quad]);
+          acc[r][0] = _mm256_add_epi16(acc[r][0], _mm256_maddubs_epi16(w0, x));
+          acc[r][1] = _mm256_add_epi16(acc[r][1], _mm256_maddubs_epi16(w1, x));
+        }
       }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < kPanelVectors; ++c) {
+          const __m256i sums = _mm256_madd_epi16(acc[r][c], ones);
+          exact[r][c] = kLongBlocks && span > 0 ? _mm256_add_epi32(exact[r][c], sums) : sums;
+        }
+      if (!kLongBlocks) break;
     }
     const float* sw = panel.scales + b * kPanelColumns;
     const int32_t* zp = panel.zero_points + b * kPanelColumns;
@@ -224,9 +289,8 @@ BP_AVX2 void tile(const Plan& p, const Panel& panel, int64_t col0, int64_t row0)
       for (int c = 0; c < kPanelVectors; ++c) {
         const __m256i zero_share =
             _mm256_mullo_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(zp + c * kLanes)), sum);
-        const __m256i exact = _mm256_sub_epi32(_mm256_madd_epi16(acc[r][c], ones), zero_share);
         const __m256 scale = _mm256_mul_ps(s, _mm256_load_ps(sw + c * kLanes));
-        f[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(exact), scale, f[r][c]);
+        f[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(exact[r][c], zero_share)), scale, f[r][c]);
       }
     }
   }
@@ -243,7 +307,8 @@ BP_AVX2 void tile(const Plan& p, const Panel& panel, int64_t col0, int64_t row0)
 }
 
 using TileFn = void (*)(const Plan&, const Panel&, int64_t, int64_t);
-constexpr TileFn kTiles[kTileRows] = {tile<1>, tile<2>, tile<3>};
+constexpr TileFn kTiles[2][kTileRows] = {{tile<1, false>, tile<2, false>, tile<3, false>},
+                                         {tile<1, true>, tile<2, true>, tile<3, true>}};
 
 // One task: a panel, unpacked once, against every row of A.
 void run_task(void* data, size_t index) {
@@ -255,74 +320,191 @@ void run_task(void* data, size_t index) {
   auto* scales = reinterpret_cast<float*>(bytes + code_bytes);
   const Panel panel{bytes, scales, reinterpret_cast<int32_t*>(scales + p.blocks * kPanelColumns)};
   unpack(p, col0, panel);
-  for (int64_t row = 0; row < p.m; row += kTileRows)
-    kTiles[std::min<int64_t>(kTileRows, p.m - row) - 1](p, panel, col0, row);
+  const TileFn* tiles = kTiles[p.quads_per_block > kMaxQuadsPerSpan];
+  for (int64_t row = 0; row < p.m; row += kTileRows) tiles[std::min<int64_t>(kTileRows, p.m - row) - 1](p, panel, col0, row);
 }
 
-// Few rows (decode steps): B read where it lies, one column at a time (one sequential stream per thread, which the
-// prefetchers follow), each block's 16 bytes widened to its 32 codes (low nibbles, then high ones) less the zero
-// point, against R rows' codes in that order: vpmaddubsw multiplies their magnitudes by the codes carrying their
-// signs, so a block's 32-bit lane sums are exact; taken to float with both scales per block, summed across the lanes
-// at the column's end.
-template <int R>
-BP_AVX2 void column_rows(const Plan& p, int64_t col, int64_t row0) {
+// Few rows (decode steps) and 8-bit B: B read where it lies, one column at a time (one sequential stream per thread,
+// which the prefetchers follow), in steps of 8 units of 32 rows of K, each unit's sum exact in 32 bits and taken to
+// float with its block's two scales; the zero points' share (zero point - the codes' offset, x the weight scale x the
+// unit's activation sum and scale) is subtracted per unit in float.
+// 4 bits: two units per 32-byte load, their low nibbles (each unit's even rows of K) and high nibbles (odd rows)
+// against A's codes in that order (quantize()'s groups of 64), unsigned against signed on vpmaddubsw, even and odd
+// added, then two levels of vphaddw (at most 4 x 2 x 2 x 15 x 127 = 30,480 in 16 bits) and vpmaddwd: one sum per
+// unit, in kOrder.
+// 8 bits: a unit per load, less 128 (as int8), its magnitude on vpmaddubsw against A's codes with its sign (at most
+// 2 x 128 x 127 = 32,512 per pair), vpmaddwd, then two levels of vphaddd and the two halves added: K's order.
+template <int kBits>
+struct Bits;
+
+template <>
+struct Bits<4> {
+  static constexpr int kUnitBytes = 16, kOffset = 0, kGroup = 64;
+  static constexpr int kOrder[kLanes] = {0, 2, 4, 6, 1, 3, 5, 7};
+  // the step's 8 units' sums against R rows
+  template <int R>
+  BP_AVX2 static void step(const uint8_t* packed, const int8_t* const (&x)[R], __m256i (&sums)[R]) {
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256i half[R][2];  // units 0-3 and 4-7 after the first vphaddw
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m256i pair[R][2];
+#pragma GCC unroll 2
+      for (int j = 0; j < 2; ++j) {
+        const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + 64 * h + 32 * j));
+        const __m256i even = _mm256_and_si256(codes, low), odd = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const auto* a = reinterpret_cast<const __m256i*>(x[r] + 128 * h + 64 * j);
+          pair[r][j] = _mm256_add_epi16(_mm256_maddubs_epi16(even, _mm256_load_si256(a)),
+                                        _mm256_maddubs_epi16(odd, _mm256_load_si256(a + 1)));
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) half[r][h] = _mm256_hadd_epi16(pair[r][0], pair[r][1]);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) sums[r] = _mm256_madd_epi16(_mm256_hadd_epi16(half[r][0], half[r][1]), ones);
+  }
+  // blocks [b0, b0 + count)'s zero points, one per 32-bit lane (count <= 8; lanes past count undefined)
+  BP_AVX2 static __m256i zero_points(const Weights& w, int64_t col, int64_t b0, int64_t count) {
+    // an odd b0 comes with blocks of 256, one per step
+    return b0 % 2 ? _mm256_set1_epi32(w.zero_point(col, b0)) : zero_point_lanes(w, col, b0, count);
+  }
+};
+
+template <>
+struct Bits<8> {
+  static constexpr int kUnitBytes = 32, kOffset = 128, kGroup = 1;
+  static constexpr int kOrder[kLanes] = {0, 1, 2, 3, 4, 5, 6, 7};
+  template <int R>
+  BP_AVX2 static void step(const uint8_t* packed, const int8_t* const (&x)[R], __m256i (&sums)[R]) {
+    const __m256i offset = _mm256_set1_epi8(static_cast<char>(0x80)), ones = _mm256_set1_epi16(1);
+    __m256i quarter[R][2];  // units 0-3 and 4-7 after two vphaddd: each half of the vector a part of all four
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; ++h) {
+      __m256i pair[R][2];
+#pragma GCC unroll 2
+      for (int j = 0; j < 2; ++j) {
+        __m256i unit[R][2];
+#pragma GCC unroll 2
+        for (int i = 0; i < 2; ++i) {
+          const int u = 4 * h + 2 * j + i;
+          const __m256i codes =
+              _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(packed + 32 * u)), offset);
+          const __m256i magnitude = _mm256_abs_epi8(codes);
+#pragma GCC unroll 4
+          for (int r = 0; r < R; ++r) {
+            const __m256i a = _mm256_load_si256(reinterpret_cast<const __m256i*>(x[r] + 32 * u));
+            unit[r][i] = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(a, codes)), ones);
+          }
+        }
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) pair[r][j] = _mm256_hadd_epi32(unit[r][0], unit[r][1]);
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) quarter[r][h] = _mm256_hadd_epi32(pair[r][0], pair[r][1]);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+      sums[r] = _mm256_add_epi32(_mm256_permute2x128_si256(quarter[r][0], quarter[r][1], 0x20),
+                                 _mm256_permute2x128_si256(quarter[r][0], quarter[r][1], 0x31));
+  }
+  BP_AVX2 static __m256i zero_points(const Weights& w, int64_t col, int64_t b0, int64_t count) {
+    if (w.zero_points == nullptr) return _mm256_set1_epi32(kOffset);
+    uint64_t packed = 0;
+    std::memcpy(&packed, w.zero_points + col * w.zero_point_columns() + b0, static_cast<size_t>(count));
+    return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(packed)));
+  }
+};
+
+template <int kBits, int R>
+BP_AVX2 void column_rows(const Plan& p, const FewRows& rows, int64_t col, int64_t row0) {
+  using B = Bits<kBits>;
   const Weights& w = *p.w;
+  const int64_t per_block = w.block / 32, block_step = kLanes / per_block;  // blocks per step (1-8)
   const uint8_t* column = w.packed + col * w.column_bytes();
   const float* sw = w.scales + col * p.blocks;
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  const bool zero_points = w.zero_points != nullptr;
-  const __m256i default_zp = _mm256_set1_epi8(static_cast<char>(1 << (w.bits - 1)));
+  __m256i order = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B::kOrder));
+  __m256i natural = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  if (per_block > 1) {  // each unit's block within the step
+    const __m128i shift = _mm_cvtsi64_si128(__builtin_ctzll(static_cast<unsigned long long>(per_block)));
+    order = _mm256_srl_epi32(order, shift);
+    natural = _mm256_srl_epi32(natural, shift);
+  }
+  const __m256i offset = _mm256_set1_epi32(B::kOffset);
+  const int8_t* x[R];
+  for (int r = 0; r < R; ++r) x[r] = p.rows.row(row0 + r);
   __m256 f[R];
   for (int r = 0; r < R; ++r) f[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < p.blocks; ++b) {
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(column + 16 * b));
-    const __m256i zp = zero_points ? _mm256_set1_epi8(static_cast<char>(w.zero_point(col, b))) : default_zp;
-    // w - zp in [-15, 15]: its magnitude (unsigned) against the activations with its sign, products exact
-    const __m256i weights =
-        _mm256_sub_epi8(_mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), low), zp);
-    const __m256i magnitude = _mm256_abs_epi8(weights);
-    const __m256 scale = _mm256_set1_ps(sw[b]);
+  alignas(32) uint8_t tail[kLanes * B::kUnitBytes] = {};
+  const int64_t units = w.blocks() * per_block;
+  for (int64_t u0 = 0, b0 = 0; u0 < units; u0 += kLanes, b0 += block_step) {
+    const uint8_t* packed = column + B::kUnitBytes * u0;
+    if (units - u0 < kLanes)  // the last step: the units past K are zeros against zero codes of A
+      packed = static_cast<const uint8_t*>(
+          std::memcpy(tail, packed, static_cast<size_t>(B::kUnitBytes * (units - u0))));
+    const int64_t count = std::min<int64_t>(p.blocks - b0, block_step);
+    const __m256 scales = count == kLanes ? _mm256_loadu_ps(sw + b0) : _mm256_maskload_ps(sw + b0, lanes_below(count));
+    const __m256i zero_points = _mm256_sub_epi32(B::zero_points(w, col, b0, count), offset);
+    const __m256 zero_scales =
+        _mm256_permutevar8x32_ps(_mm256_mul_ps(scales, _mm256_cvtepi32_ps(zero_points)), natural);
+    const __m256 ordered_scales = _mm256_permutevar8x32_ps(scales, order);
+    __m256i sums[R];
+    const int8_t* step_x[R];
+    for (int r = 0; r < R; ++r) step_x[r] = x[r] + 32 * u0;
+    B::template step<R>(packed, step_x, sums);
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) {
-      const __m256i x = _mm256_load_si256(reinterpret_cast<const __m256i*>(p.rows.row(row0 + r) + 32 * b));
-      const __m256i sums = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(x, weights)), ones);
-      f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums),
-                             _mm256_mul_ps(_mm256_set1_ps(p.rows.row_scales(row0 + r)[b]), scale), f[r]);
+      f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]),
+                             _mm256_mul_ps(ordered_scales, _mm256_load_ps(rows.scales(row0 + r) + u0)), f[r]);
+      f[r] = _mm256_fnmadd_ps(zero_scales, _mm256_load_ps(rows.zero_terms(row0 + r) + u0), f[r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    const __m128 half = _mm_add_ps(_mm256_castps256_ps128(f[r]), _mm256_extractf128_ps(f[r], 1));
-    const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
-    const float sum = _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
-    p.y[(row0 + r) * w.n + col] = sum + (w.bias ? w.bias[col] : 0.0f);
-  }
+  for (int r = 0; r < R; ++r) p.y[(row0 + r) * w.n + col] = horizontal_sum(f[r]) + (w.bias ? w.bias[col] : 0.0f);
 }
 
-using ColumnFn = void (*)(const Plan&, int64_t, int64_t);
-constexpr ColumnFn kColumnRows[kTileRows] = {column_rows<1>, column_rows<2>, column_rows<3>};
+using ColumnFn = void (*)(const Plan&, const FewRows&, int64_t, int64_t);
+template <int kBits>
+constexpr ColumnFn kColumnRows[kColumnTileRows] = {column_rows<kBits, 1>, column_rows<kBits, 2>, column_rows<kBits, 3>};
 constexpr int64_t kColumnsPerTask = 64;
 
+struct FewRowsTask {
+  const Plan& plan;
+  const FewRows& rows;
+  const ColumnFn* tiles;
+};
+
 void few_rows_task(void* data, size_t index) {
-  const Plan& p = *static_cast<const Plan*>(data);
+  const auto& task = *static_cast<const FewRowsTask*>(data);
+  const Plan& p = task.plan;
   const int64_t first = static_cast<int64_t>(index) * kColumnsPerTask;
   for (int64_t col = first; col < std::min(p.w->n, first + kColumnsPerTask); ++col)
-    for (int64_t row = 0; row < p.m; row += kTileRows)
-      kColumnRows[std::min<int64_t>(kTileRows, p.m - row) - 1](p, col, row);
+    for (int64_t row = 0; row < p.m; row += kColumnTileRows)
+      task.tiles[std::min<int64_t>(kColumnTileRows, p.m - row) - 1](p, task.rows, col, row);
+}
+
+template <int kBits>
+void few_rows(const Weights& w, const float* a, int64_t m, float* y, ParallelFor run, void* context) {
+  const Plan p = plan(w, a, m, y, Bits<kBits>::kGroup, true);
+  const FewRows rows(p, Bits<kBits>::kOrder);
+  FewRowsTask task{p, rows, kColumnRows<kBits>};
+  run(context, few_rows_task, static_cast<size_t>((w.n + kColumnsPerTask - 1) / kColumnsPerTask), &task);
 }
 
 }  // namespace
 
 bool matmul_int8_avx2(const Weights& w, const float* a, int64_t m, float* y, ParallelFor run, void* context) {
-  if (!cpu().avx2 || w.bits != 4 || w.block != 32 || w.g_idx != nullptr) return false;
-  Plan p = plan(w, a, m, y, 32);
-  run(context, few_rows_task, static_cast<size_t>((w.n + kColumnsPerTask - 1) / kColumnsPerTask), &p);
+  if (!cpu().avx2 || (w.bits != 4 && w.bits != 8) || w.block < 32 || w.block > 256 || w.g_idx != nullptr)
+    return false;
+  if (w.bits == 4) few_rows<4>(w, a, m, y, run, context);
+  else few_rows<8>(w, a, m, y, run, context);
   return true;
 }
 
 bool matmul_int8_panels_avx2(const Weights& w, const float* a, int64_t m, float* y, ParallelFor run, void* context) {
-  if (!cpu().avx2 || w.bits != 4 || w.block < 16 || w.block / 4 > kMaxQuadsPerBlock || w.g_idx != nullptr)
-    return false;
-  Plan p = plan(w, a, m, y, 8);
+  if (!cpu().avx2 || w.bits != 4 || w.block < 16 || w.g_idx != nullptr) return false;
+  Plan p = plan(w, a, m, y, 8, false);
   run(context, run_task, static_cast<size_t>((w.n + kPanelColumns - 1) / kPanelColumns), &p);
   return true;
 }

@@ -1,7 +1,7 @@
 // The library onnxruntime loads (SessionOptions.register_custom_ops_library, genai_config's custom_ops_library): it
 // registers a CPU kernel for com.microsoft MatMulNBits (and on CPUs with AMX bf16, MultiHeadAttention and
 // GroupQueryAttention: op_attention.cc, op_group_query_attention.cc), which onnxruntime then prefers to its own for
-// every such node of the session, so a package's graphs need no change. On a CPU without AVX-512 VNNI it registers
+// every such node of the session, so a package's graphs need no change. On a CPU without AVX2 and FMA it registers
 // nothing (one line on stderr says so) and onnxruntime's own kernels run.
 #include <cstdint>
 #include <cstdio>
@@ -27,21 +27,22 @@ enum Input { kA = 0, kB, kScales, kZeroPoints, kGIdx, kBias, kInputs };
 constexpr OrtElementType kInputTypes[kInputs] = {ORT_FLOAT, ORT_UINT8, ORT_FLOAT, ORT_UINT8, ORT_INT32, ORT_FLOAT};
 
 // The kernel's paths: few rows (decode steps) on AVX-512 VNNI reading B as stored; many rows (a prompt) on AMX, bf16
-// panels of B (bits 4 and 8, no g_idx) or the int8 block products, and without AMX int8 panels of B on AVX-512 VNNI;
-// the float path where none applies. The AVX2 paths (4 bits) run only when asked for, for now.
+// panels of B (bits 4 and 8, no g_idx) or the int8 block products, and without AMX int8 panels of B on AVX-512 VNNI.
+// Without AVX-512 VNNI, on AVX2: B read as stored for few rows and for 8 bits (blocks of 32 and more), int8 panels of
+// 4-bit B for many rows. The float path where none applies.
 enum class Path { kFloat, kAvx512, kAmxInt8, kAmxBf16, kPanels, kAvx2, kAvx2Panels };
 constexpr const char* kPathNames[] = {"float",    "int8 AVX-512",        "int8 AMX", "bf16 AMX",
                                       "int8 AVX-512 panels", "int8 AVX2", "int8 AVX2 panels"};
 
 // Rows from which the many-rows path beats reading B as stored (bench_kernel.py): the bf16 panels, on a CPU with AMX
-// int8 only the int8 tiles, without AMX the int8 panels, with AVX2 alone its panels. BUILDER_PLUGIN_OPS_PATH=avx512,
-// panels, amx or bf16 forces one path for every row count (benchmarks, tests); a path this CPU lacks leaves the
-// default. =vnni takes the paths of a CPU with AVX-512 VNNI but no AMX (what benchmarks emulate on one with it), =avx2
-// those of a CPU with AVX2 alone on the nodes they take (4 bits, blocks of 16 and 32; in place for few rows: 32).
+// int8 only the int8 tiles, without AMX the int8 panels, with AVX2 alone its 4-bit panels. BUILDER_PLUGIN_OPS_PATH=
+// avx512, panels, amx or bf16 forces one path for every row count (benchmarks, tests); a path this CPU lacks leaves
+// the default. =vnni takes the paths of a CPU with AVX-512 VNNI but no AMX (what benchmarks emulate on one with it),
+// =avx2 those of a CPU with AVX2 alone.
 constexpr int64_t kBf16FromRows = 16;
 constexpr int64_t kAmxFromRows = 12;
 constexpr int64_t kPanelsFromRows = 20;
-constexpr int64_t kAvx2PanelsFromRows = 4;
+constexpr int64_t kAvx2PanelsFromRows = 16;
 
 struct Kernel {
   ort::Api api;
@@ -92,10 +93,24 @@ const char* bp::op::attention_path_name(AttentionPath path) {
 
 namespace {
 
+// A CPU with AVX2 and FMA but no AVX-512 VNNI (or =avx2): 8 bits and few rows of 4 bits in place from blocks of 32
+// (matmul_int8_avx2's nodes), 4 bits otherwise on its panels (matmul_int8_panels_avx2's).
+void choose_avx2_paths(Kernel& kernel) {
+  const bool in_place = kernel.block >= 32 && kernel.block <= 256;
+  if (kernel.bits == 8) {
+    if (in_place) kernel.few = kernel.many = Path::kAvx2;
+    return;
+  }
+  kernel.many = Path::kAvx2Panels;
+  kernel.few = in_place ? Path::kAvx2 : Path::kAvx2Panels;
+  kernel.many_from_rows = in_place ? kAvx2PanelsFromRows : INT64_MAX;
+}
+
 void choose_paths(Kernel& kernel) {
   const bp::Cpu& cpu = bp::cpu();
-  if (kernel.accuracy_level != 4 || (kernel.bits != 4 && kernel.bits != 8) || !cpu.avx512_vnni) return;
+  if (kernel.accuracy_level != 4 || (kernel.bits != 4 && kernel.bits != 8) || !cpu.avx2) return;
   const Forced forced = forced_setting();
+  if (!cpu.avx512_vnni || forced.path == Path::kAvx2Panels) return choose_avx2_paths(kernel);
   kernel.few = kernel.many = Path::kAvx512;
   if (cpu.amx_bf16 && !forced.without_amx) {
     kernel.many = Path::kAmxBf16;
@@ -107,12 +122,7 @@ void choose_paths(Kernel& kernel) {
     kernel.many = Path::kPanels;
     kernel.many_from_rows = kPanelsFromRows;
   }
-  if (forced.path == Path::kAvx2Panels) {
-    if (kernel.bits != 4 || kernel.block > 32) return;  // matmul_int8_panels_avx2's nodes
-    kernel.many = Path::kAvx2Panels;
-    kernel.few = kernel.block == 32 ? Path::kAvx2 : Path::kAvx2Panels;  // matmul_int8_avx2's
-    kernel.many_from_rows = kernel.few == kernel.many ? INT64_MAX : kAvx2PanelsFromRows;
-  } else if (forced.path != Path::kFloat) {
+  if (forced.path != Path::kFloat) {
     kernel.few = kernel.many = forced.path;
     kernel.many_from_rows = INT64_MAX;
   }
@@ -231,10 +241,10 @@ __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOp
                  base ? base->GetVersionString() : "?");
     return nullptr;
   }
-  if (!bp::cpu().avx512_vnni) {
+  if (!bp::cpu().avx2) {
     static std::once_flag told;
     std::call_once(told, [] {
-      std::fprintf(stderr, "%s: this CPU has no AVX-512 VNNI; onnxruntime's own MatMulNBits runs\n", kLibrary);
+      std::fprintf(stderr, "%s: this CPU has no AVX2 and FMA; onnxruntime's own MatMulNBits runs\n", kLibrary);
     });
     return nullptr;
   }
@@ -293,11 +303,12 @@ __attribute__((visibility("default"))) const char* BuilderPluginAttentionPath() 
   return attention_path_name(attention_path());
 }
 
-// What the library would do on this CPU, for the Python side and the tests: 0 registers nothing, 1 the AVX-512 VNNI
-// int8 path, 2 that and AMX int8 tiles granted, 3 that and AMX bf16 (the many-rows path of prompts).
+// What the library would do on this CPU, for the Python side and the tests: 0 registers nothing, 1 the AVX2 paths,
+// 2 the AVX-512 VNNI int8 paths, 3 those and AMX int8 tiles granted, 4 those and AMX bf16 (the many-rows path of
+// prompts).
 __attribute__((visibility("default"))) int BuilderPluginOpsLevel() {
   const bp::Cpu& cpu = bp::cpu();
-  return cpu.amx_bf16 && cpu.amx_int8 ? 3 : cpu.amx_int8 ? 2 : (cpu.avx512_vnni ? 1 : 0);
+  return cpu.amx_bf16 && cpu.amx_int8 ? 4 : cpu.amx_int8 ? 3 : cpu.avx512_vnni ? 2 : cpu.avx2 ? 1 : 0;
 }
 
 // The paths a 4-bit MatMulNBits node with accuracy_level 4 (the builder's CPU packages) takes on this CPU, as the
@@ -308,7 +319,7 @@ __attribute__((visibility("default"))) const char* BuilderPluginOpsPaths() {
   std::call_once(made, [] {
     Kernel kernel{ort::Api{nullptr}};
     kernel.accuracy_level = 4;
-    if (bp::cpu().avx512_vnni) {
+    if (bp::cpu().avx2) {
       choose_paths(kernel);
       paths = describe(kernel);
     }

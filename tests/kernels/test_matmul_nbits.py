@@ -32,18 +32,16 @@ INT8_PATHS = ["avx2"] + (["avx512", "panels"] if VNNI else []) + (["amx"] if ker
 BF16 = kernels.level() == "amx_bf16"
 BF16_FROM_ROWS = 16  # ops.cc: kBf16FromRows
 PANELS_FROM_ROWS = 20  # ops.cc: kPanelsFromRows
-AVX2_PANELS_FROM_ROWS = 16  # ops.cc: kAvx2PanelsFromRows
+AVX2_PANELS_FROM_ROWS = {4: 16, 8: 24}  # ops.cc: kAvx2PanelsFromRows, kAvx2Panels8FromRows
 WITHOUT_AMX = f"int8 AVX-512 (up to {PANELS_FROM_ROWS - 1} rows) / int8 AVX-512 panels path"
 
 
 def avx2_trace(bits: int, block: int) -> str:
-    """The paths of a node with AVX2 alone: 8 bits in place from blocks of 32 (float below), 4 bits in place for few
-    rows from blocks of 32 and on panels for many (blocks of 16: panels only)."""
-    if bits == 8:
-        return "int8 AVX2 path" if block >= 32 else "float path"
+    """The paths of a node with AVX2 alone: in place for few rows from blocks of 32, panels for many (blocks of 16:
+    panels only)."""
     if block < 32:
         return "int8 AVX2 panels path"
-    return f"int8 AVX2 (up to {AVX2_PANELS_FROM_ROWS - 1} rows) / int8 AVX2 panels path"
+    return f"int8 AVX2 (up to {AVX2_PANELS_FROM_ROWS[bits] - 1} rows) / int8 AVX2 panels path"
 
 
 # The paths a 4-bit node with blocks of 32 takes by default on this CPU, as the trace names them ("" where the
@@ -83,14 +81,6 @@ def forced_trace(int8_path: str, bits: int, block: int) -> str:
     return avx2_trace(bits, block) if int8_path == "avx2" else PATHS[int8_path]
 
 
-def expected_sums(int8_path: str, b, a: np.ndarray, bias: np.ndarray | None = None) -> np.ndarray:
-    """What the node's path sums up to float32 rounding: the exact int8 block sums, or where the path is the float one
-    the float result."""
-    if forced_trace(int8_path, b.bits, b.block) == "float path":
-        return a.astype(np.float64) @ b.dequantized().T + (bias if bias is not None else 0.0)
-    return int8_reference(b, a, bias)
-
-
 def traced_path(capfd, path) -> str:
     """The path the library's kernel reports for the graph's node ("" when onnxruntime's own kernel runs)."""
     capfd.readouterr()
@@ -105,13 +95,14 @@ CASES = [(bits, block, zp) for bits in (4, 8) for block in BLOCK_SIZES for zp in
 
 
 @pytest.mark.parametrize(("bits", "block", "zero_points"), CASES)
-# 37 blocks: the panels unpack 16 blocks at a time, the last group odd; 7 columns: a panel of 48 mostly past N
-@pytest.mark.parametrize(("blocks", "n"), [(4, 37), (37, 7)])
-def test_integer_sums_are_exact(tmp_path, monkeypatch, capfd, int8_path, bits, block, zero_points, blocks, n):
+# 37 blocks: the panels unpack 16 blocks at a time, the last group odd; 7 columns: a panel of 48 mostly past N. 11
+# rows read B in place where a path does, 30 take the panels.
+@pytest.mark.parametrize(("blocks", "n", "m"), [(4, 37, 11), (37, 7, 11), (37, 7, 30)])
+def test_integer_sums_are_exact(tmp_path, monkeypatch, capfd, int8_path, bits, block, zero_points, blocks, n, m):
     """Activations on their int8 grid and scales powers of two: every product and sum is exact in float32, so the
     kernel's Y must equal the exact integer result bit for bit."""
-    rng = np.random.default_rng(bits * 1000 + block + zero_points + blocks)
-    k, m = (blocks - 1) * block + block // 2 + 3, 11
+    rng = np.random.default_rng(bits * 1000 + block + zero_points + blocks + m)
+    k = (blocks - 1) * block + block // 2 + 3
     column_scale = np.float32(2.0) ** rng.integers(-8, -2, size=(n, 1))
     b = random_b(rng, k, n, bits, block, zero_points, scales=np.repeat(column_scale, -(-k // block), axis=1))
     codes = rng.integers(-127, 128, size=(m, k))
@@ -122,7 +113,7 @@ def test_integer_sums_are_exact(tmp_path, monkeypatch, capfd, int8_path, bits, b
     monkeypatch.setenv(TRACE, "1")
     assert traced_path(capfd, path) == (forced_trace(int8_path, bits, block) if ACTIVE else "")
     y = run(path, a, library=True)
-    expected = expected_sums(int8_path, b, a)
+    expected = int8_reference(b, a)
     if ACTIVE:
         np.testing.assert_array_equal(y.astype(np.float64), expected)
     else:
@@ -144,7 +135,7 @@ def test_random_weights_within_bounds(tmp_path, int8_path, bits, block, zero_poi
     exact = a.astype(np.float64) @ b.dequantized().T + (bias if bias is not None else 0.0)
     bound = quantization_bound(b, a)
     if ACTIVE:  # float32 sums of exact block products, then within the quantization bound of the float result
-        assert np.abs(y - expected_sums(int8_path, b, a, bias)).max() <= 1e-5 * (np.abs(exact).max() + 1)
+        assert np.abs(y - int8_reference(b, a, bias)).max() <= 1e-5 * (np.abs(exact).max() + 1)
         assert np.all(np.abs(y - exact) <= bound * 1.001 + 1e-5)
         assert np.all(np.abs(y - builtin) <= 2 * bound + 1e-4)
     else:
@@ -165,7 +156,7 @@ def test_drawn_shapes_against_the_int8_reference(tmp_path, int8_path, seed):
     y = run(path, a, library=True).astype(np.float64)
     if ACTIVE:
         exact = a.astype(np.float64) @ b.dequantized().T
-        assert np.abs(y - expected_sums(int8_path, b, a, bias)).max() <= 1e-5 * (np.abs(exact).max() + 1)
+        assert np.abs(y - int8_reference(b, a, bias)).max() <= 1e-5 * (np.abs(exact).max() + 1)
     else:
         np.testing.assert_array_equal(y, run(path, a, library=False))
 

@@ -15,8 +15,10 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
+#include <utility>
 
 #include "quantize.h"
 
@@ -28,8 +30,8 @@ namespace {
 constexpr int kLanes = 8;                              // columns per vector
 constexpr int kPanelVectors = 2;                       // vectors per panel
 constexpr int kPanelColumns = kLanes * kPanelVectors;  // 16
-constexpr int kQuadBytes = kPanelVectors * 32;         // one quad of the panel
-constexpr int kTileRows = 3;                           // rows of A per tile
+template <int kBits>
+constexpr int kQuadBytes = kPanelVectors * 32 * (kBits / 4);  // one quad of the panel: 8 bits in two nibble planes
 constexpr int kColumnTileRows = 3;                     // rows of A per column pass of the few-rows path
 constexpr int kMaxQuadsPerSpan = 8;                    // 32 rows of K: their 16-bit sums cannot overflow
 
@@ -38,98 +40,12 @@ struct Plan {
   float* y;
   int64_t m, blocks, quads_per_block, quads, units;  // units: 32 rows of K each, the few-rows path's steps
   QuantizedRows rows;  // codes in the panel's order of K
-  Buffer sums;         // int32 [m][blocks]: each block's sum of A's codes (the panels' zero-point terms)
-  Buffer unit_sums;    // int32 [m][units]: each unit's, zero past K (the few-rows path's; empty for the panels)
+  Buffer sums;         // int32 [m][blocks]: each block's sum of A's codes (the zero-point terms)
   const int32_t* row_sums(int64_t r) const { return static_cast<const int32_t*>(sums.get()) + r * blocks; }
-  const int32_t* row_unit_sums(int64_t r) const { return static_cast<const int32_t*>(unit_sums.get()) + r * units; }
 };
 
 // Where row i of K goes in A's codes: in each `group` rows the even ones first, then the odd ones.
 inline int64_t position(int64_t i, int64_t group) { return (i & -group) + (i & (group - 1)) / 2 + group / 2 * (i & 1); }
-
-// A quantized per row and block (quantize.h's arithmetic: scale = max|a| / 127, codes rounded to nearest even), each
-// block's and unit's code sum; in each `group` rows of K the even ones first, then the odd ones (the order of B's low
-// nibbles, then its high ones: 8 for the panels' 32-bit words, 64 for two units' 32 bytes read in place; 1 keeps K's
-// order, as 8-bit B is read in place).
-BP_AVX2 void quantize(const float* a, int64_t group, bool unit_sums, Plan& p) {
-  const Weights& w = *p.w;
-  const int64_t block = w.block, padded = p.units * 32;
-  QuantizedRows& out = p.rows;
-  out.rows = p.m;
-  out.padded = padded;
-  out.blocks = p.blocks;
-  out.codes = aligned_buffer(static_cast<size_t>(p.m * padded + 64));
-  out.scales = aligned_buffer(static_cast<size_t>(p.m * p.blocks * 4 + 64));
-  p.sums = aligned_buffer(static_cast<size_t>(p.m * p.blocks * 4 + 64));
-  if (unit_sums) p.unit_sums = aligned_buffer(static_cast<size_t>(p.m * p.units * 4 + 64));
-  for (int64_t r = 0; r < p.m; ++r) {
-    const float* x = a + r * w.k;
-    auto* codes = static_cast<int8_t*>(out.codes.get()) + r * padded;
-    auto* scales = static_cast<float*>(out.scales.get()) + r * p.blocks;
-    auto* sums = static_cast<int32_t*>(p.sums.get()) + r * p.blocks;
-    std::memset(codes, 0, static_cast<size_t>(padded));
-    for (int64_t b = 0; b < p.blocks; ++b) {
-      const int64_t start = b * block, end = std::min<int64_t>(w.k, start + block);
-      float top = 0.0f;
-      for (int64_t i = start; i < end; ++i) top = std::max(top, std::fabs(x[i]));
-      scales[b] = top / 127.0f;
-      const float inv = top > 0.0f ? 127.0f / top : 0.0f;
-      int32_t sum = 0;
-      for (int64_t i = start; i < end; ++i) {
-        const auto code = static_cast<int8_t>(std::nearbyint(std::min(std::max(x[i] * inv, -127.0f), 127.0f)));
-        codes[position(i, group)] = code;
-        sum += code;
-      }
-      sums[b] = sum;
-    }
-    if (!unit_sums) continue;
-    auto* units = static_cast<int32_t*>(p.unit_sums.get()) + r * p.units;
-    std::memset(units, 0, static_cast<size_t>(p.units * 4));
-    for (int64_t i = 0; i < w.k; ++i) units[i / 32] += codes[position(i, group)];
-  }
-}
-
-// One call's plan: A's `m` rows quantized, in `group` order (and each unit's sum of codes, for the few-rows path).
-Plan plan(const Weights& w, const float* a, int64_t m, float* y, int64_t group, bool unit_sums) {
-  Plan p{};
-  p.w = &w;
-  p.y = y;
-  p.m = m;
-  p.blocks = w.blocks();
-  p.quads_per_block = w.block / 4;
-  p.quads = p.blocks * p.quads_per_block;
-  p.units = (p.quads * 4 + 255) / 256 * 8;  // whole steps of the few-rows path (8 units), whole groups
-  quantize(a, group, unit_sums, p);
-  return p;
-}
-
-// The few-rows path's per-unit terms of A, per step of 8 units (zeros past K): the scales (its block's) in the order
-// column_rows() sums the step's units (Bits<>::kOrder), and scale x sum of codes (the zero points' share) in K's order.
-class FewRows {
- public:
-  FewRows(const Plan& p, const int (&order)[kLanes])
-      : units_(p.units), scales_(aligned_buffer(static_cast<size_t>(p.m * units_ * 4))),
-        zero_terms_(aligned_buffer(static_cast<size_t>(p.m * units_ * 4))) {
-    const int64_t per_block = p.w->block / 32;
-    for (int64_t r = 0; r < p.m; ++r) {
-      const float* block_scales = p.rows.row_scales(r);
-      const int32_t* sums = p.row_unit_sums(r);
-      float* ordered = static_cast<float*>(scales_.get()) + r * units_;
-      float* zeros = static_cast<float*>(zero_terms_.get()) + r * units_;
-      for (int64_t u = 0; u < units_; ++u) {
-        const int64_t b = u / per_block, ordered_b = (u & -kLanes) / per_block + order[u % kLanes] / per_block;
-        zeros[u] = b < p.blocks ? block_scales[b] * static_cast<float>(sums[u]) : 0.0f;
-        ordered[u] = ordered_b < p.blocks ? block_scales[ordered_b] : 0.0f;
-      }
-    }
-  }
-  const float* scales(int64_t r) const { return static_cast<const float*>(scales_.get()) + r * units_; }
-  const float* zero_terms(int64_t r) const { return static_cast<const float*>(zero_terms_.get()) + r * units_; }
-
- private:
-  int64_t units_;
-  Buffer scales_, zero_terms_;
-};
 
 // Lanes [0, count) set.
 BP_AVX2 inline __m256i lanes_below(int64_t count) {
@@ -142,7 +58,122 @@ BP_AVX2 inline float horizontal_sum(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
 }
 
-// A panel of B: codes [quads][2 vectors][32 bytes], then per block the 16 columns' weight scales and zero points.
+// 8 values from `at`, zeros past the first `count`.
+BP_AVX2 inline __m256 load_below(const float* at, int64_t count) {
+  return count >= kLanes ? _mm256_loadu_ps(at) : _mm256_maskload_ps(at, lanes_below(count));
+}
+
+// One row of A quantized per block (quantize.h's arithmetic: scale = max|a| / 127, codes rounded to nearest even:
+// vcvtps2dq under the default rounding) and each block's code sum; in each `group` rows of K the even ones first,
+// then the odd ones (the order of B's low nibbles, then its high ones: 8 for the panels' 32-bit words, 64 for two
+// units' 32 bytes read in place; 1 keeps K's order, as 8-bit B is read). `codes`: `padded` bytes, zero past K.
+BP_AVX2 void quantize_row(const Plan& p, const float* x, int64_t group, int8_t* codes, float* scales, int32_t* sums) {
+  const Weights& w = *p.w;
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256i evens_first = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7), top = _mm256_set1_epi32(127);
+  const __m256i bottom = _mm256_set1_epi32(-127);
+  std::memset(codes, 0, static_cast<size_t>(p.rows.padded));
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    const int64_t start = b * w.block, count = std::min<int64_t>(w.k - start, w.block);
+    const float* at = x + start;
+    __m256 largest = _mm256_setzero_ps();
+    for (int64_t i = 0; i < count; i += kLanes) largest = _mm256_max_ps(largest, _mm256_and_ps(load_below(at + i, count - i), magnitude));
+    __m128 half = _mm_max_ps(_mm256_castps256_ps128(largest), _mm256_extractf128_ps(largest, 1));
+    half = _mm_max_ps(half, _mm_movehl_ps(half, half));
+    const float most = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
+    scales[b] = most / 127.0f;
+    const __m256 inverse = _mm256_set1_ps(most > 0.0f ? 127.0f / most : 0.0f);
+    __m256i block_sum = _mm256_setzero_si256();
+    for (int64_t i = 0; i < count; i += kLanes) {
+      const __m256i values = _mm256_cvtps_epi32(_mm256_mul_ps(load_below(at + i, count - i), inverse));
+      const __m256i clamped = _mm256_max_epi32(_mm256_min_epi32(values, top), bottom);
+      block_sum = _mm256_add_epi32(block_sum, clamped);
+      const __m256i ordered = group == 1 ? clamped : _mm256_permutevar8x32_epi32(clamped, evens_first);
+      const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(ordered), _mm256_extracti128_si256(ordered, 1));
+      const __m128i bytes = _mm_packs_epi16(words, words);
+      const int64_t k = start + i;
+      if (group == 1) {
+        _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + k), bytes);
+      } else {  // the 4 even rows' codes, then the 4 odd ones'
+        const int32_t evens = _mm_cvtsi128_si32(bytes), odds = _mm_extract_epi32(bytes, 1);
+        std::memcpy(codes + position(k, group), &evens, 4);
+        std::memcpy(codes + position(k + 1, group), &odds, 4);
+      }
+    }
+    const __m128i four = _mm_add_epi32(_mm256_castsi256_si128(block_sum), _mm256_extracti128_si256(block_sum, 1));
+    const __m128i two = _mm_add_epi32(four, _mm_shuffle_epi32(four, 0x4E));
+    sums[b] = _mm_cvtsi128_si32(_mm_add_epi32(two, _mm_shuffle_epi32(two, 0xB1)));
+  }
+}
+
+struct QuantizeJob {
+  Plan& plan;
+  const float* a;
+  int64_t group;
+};
+
+void quantize_task(void* data, size_t index) {
+  const auto& job = *static_cast<const QuantizeJob*>(data);
+  Plan& p = job.plan;
+  const auto r = static_cast<int64_t>(index);
+  quantize_row(p, job.a + r * p.w->k, job.group, static_cast<int8_t*>(p.rows.codes.get()) + r * p.rows.padded,
+               static_cast<float*>(p.rows.scales.get()) + r * p.blocks,
+               static_cast<int32_t*>(p.sums.get()) + r * p.blocks);
+}
+
+// One call's plan: A's `m` rows quantized in `group` order, a task per row.
+Plan plan(const Weights& w, const float* a, int64_t m, float* y, int64_t group, ParallelFor run, void* context) {
+  Plan p{};
+  p.w = &w;
+  p.y = y;
+  p.m = m;
+  p.blocks = w.blocks();
+  p.quads_per_block = w.block / 4;
+  p.quads = p.blocks * p.quads_per_block;
+  p.units = (p.quads * 4 + 255) / 256 * 8;  // whole steps of the few-rows path (8 units), whole groups
+  QuantizedRows& rows = p.rows;
+  rows.rows = m;
+  rows.padded = p.units * 32;
+  rows.blocks = p.blocks;
+  rows.codes = aligned_buffer(static_cast<size_t>(m * rows.padded + 64));
+  rows.scales = aligned_buffer(static_cast<size_t>(m * p.blocks * 4 + 64));
+  p.sums = aligned_buffer(static_cast<size_t>(m * p.blocks * 4 + 64));
+  QuantizeJob job{p, a, group};
+  run(context, quantize_task, static_cast<size_t>(m), &job);
+  return p;
+}
+
+// The few-rows path's per-unit terms of A, per step of 8 units (zeros past K): the scales (its block's) in the order
+// column_rows() sums the step's units (Bits<>::kOrder), and in K's order the zero points' share: the block's scale x
+// sum of codes at its first unit, zero at the others.
+class FewRows {
+ public:
+  FewRows(const Plan& p, const int (&order)[kLanes])
+      : units_(p.units), scales_(aligned_buffer(static_cast<size_t>(p.m * units_ * 4))),
+        zero_terms_(aligned_buffer(static_cast<size_t>(p.m * units_ * 4))) {
+    const int64_t per_block = p.w->block / 32;
+    for (int64_t r = 0; r < p.m; ++r) {
+      const float* block_scales = p.rows.row_scales(r);
+      const int32_t* sums = p.row_sums(r);
+      float* ordered = static_cast<float*>(scales_.get()) + r * units_;
+      float* zeros = static_cast<float*>(zero_terms_.get()) + r * units_;
+      for (int64_t u = 0; u < units_; ++u) {
+        const int64_t b = u / per_block, ordered_b = (u & -kLanes) / per_block + order[u % kLanes] / per_block;
+        zeros[u] = b < p.blocks && u % per_block == 0 ? block_scales[b] * static_cast<float>(sums[b]) : 0.0f;
+        ordered[u] = ordered_b < p.blocks ? block_scales[ordered_b] : 0.0f;
+      }
+    }
+  }
+  const float* scales(int64_t r) const { return static_cast<const float*>(scales_.get()) + r * units_; }
+  const float* zero_terms(int64_t r) const { return static_cast<const float*>(zero_terms_.get()) + r * units_; }
+
+ private:
+  int64_t units_;
+  Buffer scales_, zero_terms_;
+};
+
+// A panel of B: codes [quads][planes (8 bits: the low nibbles, the high ones)][2 vectors][32 bytes], then per block
+// the 16 columns' weight scales and zero points.
 struct Panel {
   uint8_t* codes;
   float* scales;
@@ -168,10 +199,16 @@ BP_AVX2 inline void transpose8(__m256i r[8]) {
   }
 }
 
-// Column `col`'s 4-bit zero points of blocks [b0, b0 + count) (count <= 8, b0 even), one per 32-bit lane, the lanes
-// past count undefined; the codes as Weights::zero_point reads them (block 2i the low nibble of byte i).
+// Column `col`'s zero points of blocks [b0, b0 + count) (count <= 8), one per 32-bit lane, the lanes past count
+// undefined; the codes as Weights::zero_point reads them (4 bits: block 2i the low nibble of byte i).
 BP_AVX2 inline __m256i zero_point_lanes(const Weights& w, int64_t col, int64_t b0, int64_t count) {
   if (w.zero_points == nullptr) return _mm256_set1_epi32(1 << (w.bits - 1));
+  if (w.bits == 8) {
+    uint64_t packed = 0;
+    std::memcpy(&packed, w.zero_points + col * w.zero_point_columns() + b0, static_cast<size_t>(count));
+    return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(packed)));
+  }
+  if (b0 % 2) return _mm256_set1_epi32(w.zero_point(col, b0));  // one block per step: blocks of 256 read in place
   uint32_t packed = 0;
   std::memcpy(&packed, w.zero_points + col * w.zero_point_columns() + b0 / 2, static_cast<size_t>((count + 1) / 2));
   const __m128i bytes = _mm_cvtsi32_si128(static_cast<int>(packed)), low = _mm_set1_epi8(0x0F);
@@ -179,12 +216,13 @@ BP_AVX2 inline __m256i zero_point_lanes(const Weights& w, int64_t col, int64_t b
       _mm_unpacklo_epi8(_mm_and_si128(bytes, low), _mm_and_si128(_mm_srli_epi16(bytes, 4), low)));
 }
 
-// Columns [col0, col0 + 16) unpacked (columns past N as zeros), 8 columns x 8 words (64 rows of K) at a time: per
-// 32-bit word of a column (8 rows of K), its low nibbles as one quad and its high nibbles as the next; then each
-// block's weight scales and zero points.
+// Columns [col0, col0 + 16) unpacked (columns past N as zeros), 8 columns x 8 32-bit words at a time. 4 bits: a word
+// holds 8 rows of K, its low nibbles one quad and its high nibbles the next; 8 bits: a word is a quad, its low nibbles
+// one plane and its high nibbles the other. Then each block's weight scales and zero points.
+template <int kBits>
 BP_AVX2 void unpack(const Plan& p, int64_t col0, const Panel& panel) {
   const Weights& w = *p.w;
-  const int64_t words = p.quads / 2, column_bytes = w.column_bytes();
+  const int64_t words = p.quads * kBits / 8, column_bytes = w.column_bytes();
   const __m256i low = _mm256_set1_epi8(0x0F);
   for (int v = 0; v < kPanelVectors; ++v) {
     const int64_t first = col0 + v * kLanes;
@@ -203,10 +241,11 @@ BP_AVX2 void unpack(const Plan& p, int64_t col0, const Panel& panel) {
       transpose8(chunk);
       for (int64_t i = 0; i < count; ++i) {
         const __m256i codes = chunk[i];
-        uint8_t* quad = out + 2 * (i0 + i) * kQuadBytes;
-        _mm256_store_si256(reinterpret_cast<__m256i*>(quad), _mm256_and_si256(codes, low));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(quad + kQuadBytes),
-                           _mm256_and_si256(_mm256_srli_epi16(codes, 4), low));
+        // 4 bits: the word's two quads; 8 bits: its quad's two planes
+        uint8_t* first_half = out + (kBits == 4 ? 2 * (i0 + i) * kQuadBytes<4> : (i0 + i) * kQuadBytes<8>);
+        uint8_t* second_half = first_half + (kBits == 4 ? kQuadBytes<4> : kQuadBytes<8> / 2);
+        _mm256_store_si256(reinterpret_cast<__m256i*>(first_half), _mm256_and_si256(codes, low));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(second_half), _mm256_and_si256(_mm256_srli_epi16(codes, 4), low));
       }
     }
     for (int64_t b0 = 0; b0 < p.blocks; b0 += kLanes) {  // 8 columns x 8 blocks of scales and zero points
@@ -235,8 +274,8 @@ BP_AVX2 void unpack(const Plan& p, int64_t col0, const Panel& panel) {
 }
 
 // Rows [row0, row0 + R) x the panel's columns over all of K, into Y (with the bias). kLongBlocks: blocks past 32
-// rows of K, summed 32 rows at a time.
-template <int R, bool kLongBlocks>
+// rows of K, summed 32 rows at a time. 8 bits: each plane's 16-bit sums apart, the high one's x 16 in 32 bits.
+template <int kBits, int R, bool kLongBlocks>
 BP_AVX2 void tile(const Plan& p, const Panel& panel, int64_t col0, int64_t row0) {
   __m256 f[R][kPanelVectors];
   for (int r = 0; r < R; ++r)
@@ -249,32 +288,37 @@ BP_AVX2 void tile(const Plan& p, const Panel& panel, int64_t col0, int64_t row0)
     sa[r] = p.rows.row_scales(row0 + r);
     sums[r] = p.row_sums(row0 + r);
   }
-  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1), sixteens = _mm256_set1_epi16(16);
   const uint8_t* wq = panel.codes;
   int64_t quad = 0;
   for (int64_t b = 0; b < p.blocks; ++b) {
     __m256i exact[R][kPanelVectors];  // the block's sums, 8 quads (32 rows of K) at a time in 16 bits
     for (int64_t span = 0; span < p.quads_per_block; span += kMaxQuadsPerSpan) {
-      __m256i acc[R][kPanelVectors];
+      constexpr int kPlanes = kBits / 4;
+      __m256i acc[R][kPlanes * kPanelVectors];  // per plane (8 bits: low, high), per vector
       for (int r = 0; r < R; ++r)
-        for (int c = 0; c < kPanelVectors; ++c) acc[r][c] = _mm256_setzero_si256();
+        for (int c = 0; c < kPlanes * kPanelVectors; ++c) acc[r][c] = _mm256_setzero_si256();
       const int64_t span_quads = kLongBlocks ? std::min<int64_t>(kMaxQuadsPerSpan, p.quads_per_block - span)
                                              : p.quads_per_block;
 #pragma GCC unroll 8
-      for (int64_t q = 0; q < span_quads; ++q, ++quad, wq += kQuadBytes) {
-        const __m256i w0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wq));
-        const __m256i w1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(wq + 32));
+      for (int64_t q = 0; q < span_quads; ++q, ++quad, wq += kQuadBytes<kBits>) {
+        __m256i wv[kPlanes * kPanelVectors];
+#pragma GCC unroll 4
+        for (int c = 0; c < kPlanes * kPanelVectors; ++c)
+          wv[c] = _mm256_load_si256(reinterpret_cast<const __m256i*>(wq + 32 * c));
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           const __m256i x = _mm256_set1_epi32(a[r][quad]);
-          acc[r][0] = _mm256_add_epi16(acc[r][0], _mm256_maddubs_epi16(w0, x));
-          acc[r][1] = _mm256_add_epi16(acc[r][1], _mm256_maddubs_epi16(w1, x));
+#pragma GCC unroll 4
+          for (int c = 0; c < kPlanes * kPanelVectors; ++c)
+            acc[r][c] = _mm256_add_epi16(acc[r][c], _mm256_maddubs_epi16(wv[c], x));
         }
       }
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r)
         for (int c = 0; c < kPanelVectors; ++c) {
-          const __m256i sums = _mm256_madd_epi16(acc[r][c], ones);
+          __m256i sums = _mm256_madd_epi16(acc[r][c], ones);
+          if (kBits == 8) sums = _mm256_add_epi32(sums, _mm256_madd_epi16(acc[r][kPanelVectors + c], sixteens));
           exact[r][c] = kLongBlocks && span > 0 ? _mm256_add_epi32(exact[r][c], sums) : sums;
         }
       if (!kLongBlocks) break;
@@ -307,27 +351,38 @@ BP_AVX2 void tile(const Plan& p, const Panel& panel, int64_t col0, int64_t row0)
 }
 
 using TileFn = void (*)(const Plan&, const Panel&, int64_t, int64_t);
-constexpr TileFn kTiles[2][kTileRows] = {{tile<1, false>, tile<2, false>, tile<3, false>},
-                                         {tile<1, true>, tile<2, true>, tile<3, true>}};
+// Rows per tile: 8 bits 2 at most (their 8 accumulators and the quad's 4 vectors fill the registers).
+template <int kBits>
+constexpr int kTileRows = kBits == 4 ? 3 : 2;
+
+// [long blocks][rows - 1]
+template <int kBits, size_t... kRows>
+constexpr std::array<std::array<TileFn, sizeof...(kRows)>, 2> tile_table(std::index_sequence<kRows...>) {
+  return {{{tile<kBits, kRows + 1, false>...}, {tile<kBits, kRows + 1, true>...}}};
+}
+template <int kBits>
+constexpr auto kTiles = tile_table<kBits>(std::make_index_sequence<kTileRows<kBits>>());
 
 // One task: a panel, unpacked once, against every row of A.
+template <int kBits>
 void run_task(void* data, size_t index) {
   const Plan& p = *static_cast<const Plan*>(data);
   const int64_t col0 = static_cast<int64_t>(index) * kPanelColumns;
-  const size_t code_bytes = static_cast<size_t>(p.quads * kQuadBytes);
+  const size_t code_bytes = static_cast<size_t>(p.quads * kQuadBytes<kBits>);
   auto* bytes =
       static_cast<uint8_t*>(thread_scratch(code_bytes + static_cast<size_t>(2 * p.blocks * kPanelColumns * 4)));
   auto* scales = reinterpret_cast<float*>(bytes + code_bytes);
   const Panel panel{bytes, scales, reinterpret_cast<int32_t*>(scales + p.blocks * kPanelColumns)};
-  unpack(p, col0, panel);
-  const TileFn* tiles = kTiles[p.quads_per_block > kMaxQuadsPerSpan];
-  for (int64_t row = 0; row < p.m; row += kTileRows) tiles[std::min<int64_t>(kTileRows, p.m - row) - 1](p, panel, col0, row);
+  unpack<kBits>(p, col0, panel);
+  const auto& tiles = kTiles<kBits>[p.quads_per_block > kMaxQuadsPerSpan];
+  for (int64_t row = 0; row < p.m; row += kTileRows<kBits>)
+    tiles[std::min<int64_t>(kTileRows<kBits>, p.m - row) - 1](p, panel, col0, row);
 }
 
 // Few rows (decode steps) and 8-bit B: B read where it lies, one column at a time (one sequential stream per thread,
 // which the prefetchers follow), in steps of 8 units of 32 rows of K, each unit's sum exact in 32 bits and taken to
 // float with its block's two scales; the zero points' share (zero point - the codes' offset, x the weight scale x the
-// unit's activation sum and scale) is subtracted per unit in float.
+// block's activation sum and scale) is subtracted per block in float.
 // 4 bits: two units per 32-byte load, their low nibbles (each unit's even rows of K) and high nibbles (odd rows)
 // against A's codes in that order (quantize()'s groups of 64), unsigned against signed on vpmaddubsw, even and odd
 // added, then two levels of vphaddw (at most 4 x 2 x 2 x 15 x 127 = 30,480 in 16 bits) and vpmaddwd: one sum per
@@ -365,11 +420,6 @@ struct Bits<4> {
     }
 #pragma GCC unroll 4
     for (int r = 0; r < R; ++r) sums[r] = _mm256_madd_epi16(_mm256_hadd_epi16(half[r][0], half[r][1]), ones);
-  }
-  // blocks [b0, b0 + count)'s zero points, one per 32-bit lane (count <= 8; lanes past count undefined)
-  BP_AVX2 static __m256i zero_points(const Weights& w, int64_t col, int64_t b0, int64_t count) {
-    // an odd b0 comes with blocks of 256, one per step
-    return b0 % 2 ? _mm256_set1_epi32(w.zero_point(col, b0)) : zero_point_lanes(w, col, b0, count);
   }
 };
 
@@ -410,12 +460,6 @@ struct Bits<8> {
       sums[r] = _mm256_add_epi32(_mm256_permute2x128_si256(quarter[r][0], quarter[r][1], 0x20),
                                  _mm256_permute2x128_si256(quarter[r][0], quarter[r][1], 0x31));
   }
-  BP_AVX2 static __m256i zero_points(const Weights& w, int64_t col, int64_t b0, int64_t count) {
-    if (w.zero_points == nullptr) return _mm256_set1_epi32(kOffset);
-    uint64_t packed = 0;
-    std::memcpy(&packed, w.zero_points + col * w.zero_point_columns() + b0, static_cast<size_t>(count));
-    return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(packed)));
-  }
 };
 
 template <int kBits, int R>
@@ -446,7 +490,7 @@ BP_AVX2 void column_rows(const Plan& p, const FewRows& rows, int64_t col, int64_
           std::memcpy(tail, packed, static_cast<size_t>(B::kUnitBytes * (units - u0))));
     const int64_t count = std::min<int64_t>(p.blocks - b0, block_step);
     const __m256 scales = count == kLanes ? _mm256_loadu_ps(sw + b0) : _mm256_maskload_ps(sw + b0, lanes_below(count));
-    const __m256i zero_points = _mm256_sub_epi32(B::zero_points(w, col, b0, count), offset);
+    const __m256i zero_points = _mm256_sub_epi32(zero_point_lanes(w, col, b0, count), offset);
     const __m256 zero_scales =
         _mm256_permutevar8x32_ps(_mm256_mul_ps(scales, _mm256_cvtepi32_ps(zero_points)), natural);
     const __m256 ordered_scales = _mm256_permutevar8x32_ps(scales, order);
@@ -486,7 +530,7 @@ void few_rows_task(void* data, size_t index) {
 
 template <int kBits>
 void few_rows(const Weights& w, const float* a, int64_t m, float* y, ParallelFor run, void* context) {
-  const Plan p = plan(w, a, m, y, Bits<kBits>::kGroup, true);
+  const Plan p = plan(w, a, m, y, Bits<kBits>::kGroup, run, context);
   const FewRows rows(p, Bits<kBits>::kOrder);
   FewRowsTask task{p, rows, kColumnRows<kBits>};
   run(context, few_rows_task, static_cast<size_t>((w.n + kColumnsPerTask - 1) / kColumnsPerTask), &task);
@@ -503,9 +547,10 @@ bool matmul_int8_avx2(const Weights& w, const float* a, int64_t m, float* y, Par
 }
 
 bool matmul_int8_panels_avx2(const Weights& w, const float* a, int64_t m, float* y, ParallelFor run, void* context) {
-  if (!cpu().avx2 || w.bits != 4 || w.block < 16 || w.g_idx != nullptr) return false;
-  Plan p = plan(w, a, m, y, 8, false);
-  run(context, run_task, static_cast<size_t>((w.n + kPanelColumns - 1) / kPanelColumns), &p);
+  if (!cpu().avx2 || (w.bits != 4 && w.bits != 8) || w.block < 16 || w.g_idx != nullptr) return false;
+  Plan p = plan(w, a, m, y, w.bits == 4 ? 8 : 1, run, context);
+  run(context, w.bits == 4 ? run_task<4> : run_task<8>, static_cast<size_t>((w.n + kPanelColumns - 1) / kPanelColumns),
+      &p);
   return true;
 }
 

@@ -43,6 +43,7 @@ constexpr int64_t kBf16FromRows = 16;
 constexpr int64_t kAmxFromRows = 12;
 constexpr int64_t kPanelsFromRows = 20;
 constexpr int64_t kAvx2PanelsFromRows = 16;
+constexpr int64_t kAvx2Panels8FromRows = 24;  // 8 bits
 
 struct Kernel {
   ort::Api api;
@@ -93,17 +94,13 @@ const char* bp::op::attention_path_name(AttentionPath path) {
 
 namespace {
 
-// A CPU with AVX2 and FMA but no AVX-512 VNNI (or =avx2): 8 bits and few rows of 4 bits in place from blocks of 32
-// (matmul_int8_avx2's nodes), 4 bits otherwise on its panels (matmul_int8_panels_avx2's).
+// A CPU with AVX2 and FMA but no AVX-512 VNNI (or =avx2): few rows in place from blocks of 32 (matmul_int8_avx2's
+// nodes), otherwise the panels (matmul_int8_panels_avx2's).
 void choose_avx2_paths(Kernel& kernel) {
   const bool in_place = kernel.block >= 32 && kernel.block <= 256;
-  if (kernel.bits == 8) {
-    if (in_place) kernel.few = kernel.many = Path::kAvx2;
-    return;
-  }
   kernel.many = Path::kAvx2Panels;
   kernel.few = in_place ? Path::kAvx2 : Path::kAvx2Panels;
-  kernel.many_from_rows = in_place ? kAvx2PanelsFromRows : INT64_MAX;
+  kernel.many_from_rows = !in_place ? INT64_MAX : kernel.bits == 4 ? kAvx2PanelsFromRows : kAvx2Panels8FromRows;
 }
 
 void choose_paths(Kernel& kernel) {

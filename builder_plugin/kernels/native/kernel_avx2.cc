@@ -33,6 +33,7 @@ constexpr int kPanelColumns = kLanes * kPanelVectors;  // 16
 template <int kBits>
 constexpr int kQuadBytes = kPanelVectors * 32 * (kBits / 4);  // one quad of the panel: 8 bits in two nibble planes
 constexpr int kColumnTileRows = 3;                     // rows of A per column pass of the few-rows path
+constexpr int64_t kParallelQuantizeRows = 16;          // rows of A from which their quantization is spread
 constexpr int kMaxQuadsPerSpan = 8;                    // 32 rows of K: their 16-bit sums cannot overflow
 
 struct Plan {
@@ -139,7 +140,11 @@ Plan plan(const Weights& w, const float* a, int64_t m, float* y, int64_t group, 
   rows.scales = aligned_buffer(static_cast<size_t>(m * p.blocks * 4 + 64));
   p.sums = aligned_buffer(static_cast<size_t>(m * p.blocks * 4 + 64));
   QuantizeJob job{p, a, group};
-  run(context, quantize_task, static_cast<size_t>(m), &job);
+  if (m < kParallelQuantizeRows) {  // a decode step's row costs less than a dispatch to the threads
+    for (int64_t r = 0; r < m; ++r) quantize_task(&job, static_cast<size_t>(r));
+  } else {
+    run(context, quantize_task, static_cast<size_t>(m), &job);
+  }
   return p;
 }
 
@@ -481,13 +486,16 @@ BP_AVX2 void column_rows(const Plan& p, const FewRows& rows, int64_t col, int64_
   for (int r = 0; r < R; ++r) x[r] = p.rows.row(row0 + r);
   __m256 f[R];
   for (int r = 0; r < R; ++r) f[r] = _mm256_setzero_ps();
-  alignas(32) uint8_t tail[kLanes * B::kUnitBytes] = {};
+  alignas(32) uint8_t tail[kLanes * B::kUnitBytes];  // zeroed only where K ends inside a step
   const int64_t units = w.blocks() * per_block;
   for (int64_t u0 = 0, b0 = 0; u0 < units; u0 += kLanes, b0 += block_step) {
     const uint8_t* packed = column + B::kUnitBytes * u0;
-    if (units - u0 < kLanes)  // the last step: the units past K are zeros against zero codes of A
-      packed = static_cast<const uint8_t*>(
-          std::memcpy(tail, packed, static_cast<size_t>(B::kUnitBytes * (units - u0))));
+    if (units - u0 < kLanes) {  // the last step: the units past K are zeros against zero codes of A
+      const auto bytes = static_cast<size_t>(B::kUnitBytes * (units - u0));
+      std::memcpy(tail, packed, bytes);
+      std::memset(tail + bytes, 0, sizeof(tail) - bytes);
+      packed = tail;
+    }
     const int64_t count = std::min<int64_t>(p.blocks - b0, block_step);
     const __m256 scales = count == kLanes ? _mm256_loadu_ps(sw + b0) : _mm256_maskload_ps(sw + b0, lanes_below(count));
     const __m256i zero_points = _mm256_sub_epi32(zero_point_lanes(w, col, b0, count), offset);

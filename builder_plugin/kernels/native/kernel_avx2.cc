@@ -1,6 +1,6 @@
-// The paths for CPUs with AVX2 and FMA but no AVX-512: few rows (decode steps), and 8-bit weights at any row count,
-// reading B in place (column_rows below; blocks of 32 and more); many rows of 4-bit weights (a prompt) on a
-// packed-panel int8 GEMM on vpmaddubsw (blocks of 16 and more).
+// The paths for CPUs with AVX2 and FMA but no AVX-512: few rows (decode steps) reading B in place (column_rows below;
+// blocks of 32 and more); many rows (a prompt) on a packed-panel int8 GEMM on vpmaddubsw (4 and 8 bits, blocks of 16
+// and more).
 //
 // A's rows are quantized per block of K as on the other int8 paths (the same codes and scales). Each task unpacks a
 // panel of B (16 columns x all of K) once into a buffer that stays in L2: per "quad" (4 rows of K), each 8 columns' 4
@@ -78,7 +78,8 @@ BP_AVX2 void quantize_row(const Plan& p, const float* x, int64_t group, int8_t* 
     const int64_t start = b * w.block, count = std::min<int64_t>(w.k - start, w.block);
     const float* at = x + start;
     __m256 largest = _mm256_setzero_ps();
-    for (int64_t i = 0; i < count; i += kLanes) largest = _mm256_max_ps(largest, _mm256_and_ps(load_below(at + i, count - i), magnitude));
+    for (int64_t i = 0; i < count; i += kLanes)
+      largest = _mm256_max_ps(largest, _mm256_and_ps(load_below(at + i, count - i), magnitude));
     __m128 half = _mm_max_ps(_mm256_castps256_ps128(largest), _mm256_extractf128_ps(largest, 1));
     half = _mm_max_ps(half, _mm_movehl_ps(half, half));
     const float most = _mm_cvtss_f32(_mm_max_ss(half, _mm_movehdup_ps(half)));
@@ -384,12 +385,12 @@ void run_task(void* data, size_t index) {
     tiles[std::min<int64_t>(kTileRows<kBits>, p.m - row) - 1](p, panel, col0, row);
 }
 
-// Few rows (decode steps) and 8-bit B: B read where it lies, one column at a time (one sequential stream per thread,
+// Few rows (decode steps): B read where it lies, one column at a time (one sequential stream per thread,
 // which the prefetchers follow), in steps of 8 units of 32 rows of K, each unit's sum exact in 32 bits and taken to
 // float with its block's two scales; the zero points' share (zero point - the codes' offset, x the weight scale x the
 // block's activation sum and scale) is subtracted per block in float.
 // 4 bits: two units per 32-byte load, their low nibbles (each unit's even rows of K) and high nibbles (odd rows)
-// against A's codes in that order (quantize()'s groups of 64), unsigned against signed on vpmaddubsw, even and odd
+// against A's codes in that order (quantize_row()'s groups of 64), unsigned against signed on vpmaddubsw, even and odd
 // added, then two levels of vphaddw (at most 4 x 2 x 2 x 15 x 127 = 30,480 in 16 bits) and vpmaddwd: one sum per
 // unit, in kOrder.
 // 8 bits: a unit per load, less 128 (as int8), its magnitude on vpmaddubsw against A's codes with its sign (at most

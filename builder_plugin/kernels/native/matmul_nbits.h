@@ -59,14 +59,15 @@ bool matmul_bf16_amx(const Weights& w, const float* a, int64_t m, float* y, Para
 // block >= 16, no g_idx. False without AVX-512 VNNI (nothing is written then).
 bool matmul_int8_panels(const Weights& w, const float* a, int64_t m, float* y, ParallelFor run, void* context);
 
-// Few rows, and 8-bit B at any row count, on a CPU with AVX2 and FMA (no AVX-512 needed): the numbers of
-// matmul_int8_avx512 (the same activation quantization, exact integer sums of the codes' products; the zero points'
-// share subtracted in float), B read where it lies, one column at a time. bits 4 or 8, blocks of 32 to 256, no g_idx. False otherwise (nothing is written then).
+// Few rows on a CPU with AVX2 and FMA (no AVX-512 needed): the numbers of matmul_int8_avx512 (the same activation
+// quantization, exact integer sums of the codes' products; the zero points' share subtracted in float), B read where
+// it lies, one column at a time. bits 4 or 8, blocks of 32 to 256, no g_idx. False otherwise (nothing is written
+// then).
 bool matmul_int8_avx2(const Weights& w, const float* a, int64_t m, float* y, ParallelFor run, void* context);
 
-// Many rows on a CPU with AVX2 and FMA: the same numbers again, B unpacked once per call, panel by panel, to its
-// unsigned 4-bit codes, products on vpmaddubsw. bits 4, block >= 16, no g_idx. False otherwise (nothing is written
-// then).
+// Many rows on a CPU with AVX2 and FMA: the same numbers again (the zero points' share in exact integers here), B
+// unpacked once per call, panel by panel, to unsigned 4-bit codes (8 bits: their low and high nibbles), products on
+// vpmaddubsw. bits 4 or 8, block >= 16, no g_idx. False otherwise (nothing is written then).
 bool matmul_int8_panels_avx2(const Weights& w, const float* a, int64_t m, float* y, ParallelFor run, void* context);
 
 struct Cpu {

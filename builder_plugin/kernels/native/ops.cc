@@ -28,14 +28,14 @@ constexpr OrtElementType kInputTypes[kInputs] = {ORT_FLOAT, ORT_UINT8, ORT_FLOAT
 
 // The kernel's paths: few rows (decode steps) on AVX-512 VNNI reading B as stored; many rows (a prompt) on AMX, bf16
 // panels of B (bits 4 and 8, no g_idx) or the int8 block products, and without AMX int8 panels of B on AVX-512 VNNI.
-// Without AVX-512 VNNI, on AVX2: B read as stored for few rows and for 8 bits (blocks of 32 and more), int8 panels of
-// 4-bit B for many rows. The float path where none applies.
+// Without AVX-512 VNNI, on AVX2: B read as stored for few rows (blocks of 32 and more), int8 panels of B for many.
+// The float path where none applies.
 enum class Path { kFloat, kAvx512, kAmxInt8, kAmxBf16, kPanels, kAvx2, kAvx2Panels };
 constexpr const char* kPathNames[] = {"float",    "int8 AVX-512",        "int8 AMX", "bf16 AMX",
                                       "int8 AVX-512 panels", "int8 AVX2", "int8 AVX2 panels"};
 
 // Rows from which the many-rows path beats reading B as stored (bench_kernel.py): the bf16 panels, on a CPU with AMX
-// int8 only the int8 tiles, without AMX the int8 panels, with AVX2 alone its 4-bit panels. BUILDER_PLUGIN_OPS_PATH=
+// int8 only the int8 tiles, without AMX the int8 panels, with AVX2 alone its panels. BUILDER_PLUGIN_OPS_PATH=
 // avx512, panels, amx or bf16 forces one path for every row count (benchmarks, tests); a path this CPU lacks leaves
 // the default. =vnni takes the paths of a CPU with AVX-512 VNNI but no AMX (what benchmarks emulate on one with it),
 // =avx2 those of a CPU with AVX2 alone.

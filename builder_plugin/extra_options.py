@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from builder_plugin.errors import InputError
-from builder_plugin.precisions import QUANTIZED_PRECISIONS
+from builder_plugin.precisions import DEFAULT_BLOCK_SIZE, QUANTIZED_PRECISIONS
 from builder_plugin.quant_choices import ALGO_CONFIGS, BLOCK_SIZES, MIXED_SELECTORS, OP_TYPES, QUANT_TYPE_BITS
 
 _BOOL_WORDS = {"1": True, "true": True, "True": True, "0": False, "false": False, "False": False}
@@ -81,7 +81,7 @@ class ExtraOption:
 EXTRA_OPTIONS: dict[str, ExtraOption] = {
     "algo_config": ExtraOption(_choice(ALGO_CONFIGS), None, "quantization method (+ implied mixed precision)"),
     "matmul_mixed_precision": ExtraOption(_mixed_precision, {}, "selector:int4|int8 pairs"),
-    "block_size": ExtraOption(_int_in(BLOCK_SIZES), 32, "weights per block along K"),
+    "block_size": ExtraOption(_int_in(BLOCK_SIZES), DEFAULT_BLOCK_SIZE, "weights per block along K"),
     "accuracy_level": ExtraOption(_int_in((0, 1, 2, 3, 4)), None, "MatMulNBits compute accuracy"),
     "is_symmetric": ExtraOption(_bool, True, "symmetric (int) or asymmetric (uint) blocks"),
     "nodes_to_exclude": ExtraOption(_node_names, frozenset(), "comma-separated MatMul node names kept float"),

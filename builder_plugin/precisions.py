@@ -25,6 +25,10 @@ def io_dtype(precision: str, execution_provider: str) -> str:
     return "float16"
 
 
+# MatMulNBits' block_size when --extra_options does not set one, as the stock builder chooses it.
+DEFAULT_BLOCK_SIZE = 32
+
+
 def default_accuracy_level(execution_provider: str) -> int:
     """MatMulNBits' accuracy_level when --extra_options does not set one, as the stock builder chooses it: 4 (int8
     activations per block) on cpu and webgpu, else 0."""

@@ -24,9 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from builder_plugin import kernels
-from builder_plugin.errors import InputError
-from builder_plugin.extra_options import check_extra_options
-from builder_plugin.precisions import QUANTIZED_PRECISIONS, default_accuracy_level
+from builder_plugin.precisions import DEFAULT_BLOCK_SIZE, QUANTIZED_PRECISIONS, default_accuracy_level
 
 log = logging.getLogger("builder_plugin.runtime")
 
@@ -44,11 +42,9 @@ def for_package(builder: Mapping[str, Any] | None, execution_provider: str | Non
     options = (builder or {}).get("options") or {}
     built_for = options.get("execution_provider")
     provider = execution_provider or built_for
-    try:  # the record keeps --extra_options as given
-        extra = check_extra_options(options.get("extra_options") or {}, options.get("precision"))
-    except InputError:
-        return None
-    accuracy = extra["accuracy_level"]
+    extra = options.get("extra_options") or {}
+    accuracy = _recorded_int(extra, "accuracy_level")
+    block_size = _recorded_int(extra, "block_size") or DEFAULT_BLOCK_SIZE
     if accuracy is None and built_for is not None:
         accuracy = default_accuracy_level(built_for)
     if provider != "cpu" or built_for != "cpu" or options.get("precision") not in QUANTIZED_PRECISIONS or \
@@ -61,11 +57,20 @@ def for_package(builder: Mapping[str, Any] | None, execution_provider: str | Non
     level = kernels.level()
     if level == "none":
         return None
-    if extra["block_size"] < kernels.MIN_BLOCK_SIZE.get(level, 0):
+    if block_size < kernels.MIN_BLOCK_SIZE.get(level, 0):
         log.info("builder_plugin: block_size %d is below the library's %d on this CPU (%s); onnxruntime's "
-                 "MatMulNBits runs", extra["block_size"], kernels.MIN_BLOCK_SIZE[level], level)
+                 "MatMulNBits runs", block_size, kernels.MIN_BLOCK_SIZE[level], level)
         return None
     return kernels.library_path()
+
+
+def _recorded_int(extra: Mapping[str, Any], key: str) -> int | None:
+    """An --extra_options value as the build record keeps it (as given: a string), or None where absent or not an
+    integer."""
+    try:
+        return int(extra[key]) if key in extra else None
+    except (TypeError, ValueError):
+        return None
 
 
 def session_options(library: Path | None) -> dict[str, str]:

@@ -16,7 +16,6 @@
 
 #include <algorithm>
 #include <array>
-#include <cmath>
 #include <cstring>
 #include <utility>
 
@@ -498,7 +497,7 @@ BP_AVX2 void column_rows(const Plan& p, const FewRows& rows, int64_t col, int64_
       packed = tail;
     }
     const int64_t count = std::min<int64_t>(p.blocks - b0, block_step);
-    const __m256 scales = count == kLanes ? _mm256_loadu_ps(sw + b0) : _mm256_maskload_ps(sw + b0, lanes_below(count));
+    const __m256 scales = load_below(sw + b0, count);
     const __m256i zero_points = _mm256_sub_epi32(zero_point_lanes(w, col, b0, count), offset);
     const __m256 zero_scales =
         _mm256_permutevar8x32_ps(_mm256_mul_ps(scales, _mm256_cvtepi32_ps(zero_points)), natural);

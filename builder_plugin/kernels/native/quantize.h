@@ -1,6 +1,6 @@
 // A's rows quantized to int8 per block of K, shared by the AVX-512 and AMX paths: scale = max|a| / 127, code =
-// round-half-even(a * 127 / max|a|), in K order, zero beyond K. kernel_avx2.cc's quantize() computes the same codes
-// without AVX-512 (in its own order of K): a change to this arithmetic changes both.
+// round-half-even(a * 127 / max|a|), in K order, zero beyond K. kernel_avx2.cc's quantize_row() computes the same codes
+// with AVX2 alone (in its own order of K): a change to this arithmetic changes both.
 #pragma once
 
 #include <cstddef>

@@ -204,18 +204,27 @@ BP_AVX2 inline void transpose8(__m256i r[8]) {
   }
 }
 
-// Column `col`'s zero points of blocks [b0, b0 + count) (count <= 8), one per 32-bit lane, the lanes past count
-// undefined; the codes as Weights::zero_point reads them (4 bits: block 2i the low nibble of byte i).
-BP_AVX2 inline __m256i zero_point_lanes(const Weights& w, int64_t col, int64_t b0, int64_t count) {
-  if (w.zero_points == nullptr) return _mm256_set1_epi32(1 << (w.bits - 1));
-  if (w.bits == 8) {
+// A column's zero points (its row of Weights::zero_points, or null where there are none).
+inline const uint8_t* column_zero_points(const Weights& w, int64_t col) {
+  return w.zero_points == nullptr ? nullptr : w.zero_points + col * w.zero_point_columns();
+}
+
+// The zero points of blocks [b0, b0 + count) (count <= 8) of a column (column_zero_points()), one per 32-bit lane,
+// the lanes past count undefined; the codes as Weights::zero_point reads them (4 bits: block 2i the low nibble of
+// byte i). Inlined, with a fixed-size load for a whole step: the few-rows path calls it at every step of every column.
+BP_AVX2 inline __attribute__((always_inline)) __m256i zero_point_lanes(int64_t bits, const uint8_t* column,
+                                                                         int64_t b0, int64_t count) {
+  if (column == nullptr) return _mm256_set1_epi32(1 << (bits - 1));
+  if (bits == 8) {
     uint64_t packed = 0;
-    std::memcpy(&packed, w.zero_points + col * w.zero_point_columns() + b0, static_cast<size_t>(count));
+    if (count == kLanes) std::memcpy(&packed, column + b0, kLanes);
+    else std::memcpy(&packed, column + b0, static_cast<size_t>(count));
     return _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(packed)));
   }
-  if (b0 % 2) return _mm256_set1_epi32(w.zero_point(col, b0));  // one block per step: blocks of 256 read in place
+  if (b0 % 2) return _mm256_set1_epi32(column[b0 / 2] >> 4);  // one block per step: blocks of 256 read in place
   uint32_t packed = 0;
-  std::memcpy(&packed, w.zero_points + col * w.zero_point_columns() + b0 / 2, static_cast<size_t>((count + 1) / 2));
+  if (count == kLanes) std::memcpy(&packed, column + b0 / 2, kLanes / 2);
+  else std::memcpy(&packed, column + b0 / 2, static_cast<size_t>((count + 1) / 2));
   const __m128i bytes = _mm_cvtsi32_si128(static_cast<int>(packed)), low = _mm_set1_epi8(0x0F);
   return _mm256_cvtepu8_epi32(
       _mm_unpacklo_epi8(_mm_and_si128(bytes, low), _mm_and_si128(_mm_srli_epi16(bytes, 4), low)));
@@ -265,7 +274,7 @@ BP_AVX2 void unpack(const Plan& p, int64_t col0, const Panel& panel) {
         const auto* at = reinterpret_cast<const int*>(w.scales + (first + j) * p.blocks + b0);
         scales[j] = count == kLanes ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at))
                                     : _mm256_maskload_epi32(at, mask);
-        zero_points[j] = zero_point_lanes(w, first + j, b0, count);
+        zero_points[j] = zero_point_lanes(w.bits, column_zero_points(w, first + j), b0, count);
       }
       transpose8(scales);
       transpose8(zero_points);
@@ -474,6 +483,7 @@ BP_AVX2 void column_rows(const Plan& p, const FewRows& rows, int64_t col, int64_
   const int64_t per_block = w.block / 32, block_step = kLanes / per_block;  // blocks per step (1-8)
   const uint8_t* column = w.packed + col * w.column_bytes();
   const float* sw = w.scales + col * p.blocks;
+  const uint8_t* zero_column = column_zero_points(w, col);
   __m256i order = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B::kOrder));
   __m256i natural = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   if (per_block > 1) {  // each unit's block within the step
@@ -498,7 +508,7 @@ BP_AVX2 void column_rows(const Plan& p, const FewRows& rows, int64_t col, int64_
     }
     const int64_t count = std::min<int64_t>(p.blocks - b0, block_step);
     const __m256 scales = load_below(sw + b0, count);
-    const __m256i zero_points = _mm256_sub_epi32(zero_point_lanes(w, col, b0, count), offset);
+    const __m256i zero_points = _mm256_sub_epi32(zero_point_lanes(w.bits, zero_column, b0, count), offset);
     const __m256 zero_scales =
         _mm256_permutevar8x32_ps(_mm256_mul_ps(scales, _mm256_cvtepi32_ps(zero_points)), natural);
     const __m256 ordered_scales = _mm256_permutevar8x32_ps(scales, order);

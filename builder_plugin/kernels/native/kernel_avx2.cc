@@ -34,6 +34,10 @@ constexpr int kQuadBytes = kPanelVectors * 32 * (kBits / 4);  // one quad of the
 constexpr int kColumnTileRows = 3;                     // rows of A per column pass of the few-rows path
 constexpr int64_t kParallelQuantizeRows = 16;          // rows of A from which their quantization is spread
 constexpr int kMaxQuadsPerSpan = 8;                    // 32 rows of K: their 16-bit sums cannot overflow
+// bytes of a column the few-rows path prefetches ahead of its loads (measured on a Zen 4 seen as an AVX2 CPU, 16
+// full-size layers, one row: 2-4 % faster at 4 bits, 6-10 % at 8 bits than the hardware prefetchers alone; 512 and
+// 1024 gained less)
+constexpr int64_t kPrefetchAhead = 2048;
 
 struct Plan {
   const Weights* w;
@@ -506,6 +510,9 @@ BP_AVX2 void column_rows(const Plan& p, const FewRows& rows, int64_t col, int64_
       std::memset(tail + bytes, 0, sizeof(tail) - bytes);
       packed = tail;
     }
+#pragma GCC unroll 4
+    for (int line = 0; line < B::kUnitBytes * kLanes; line += 64)  // past the column's end: harmless, never faults
+      _mm_prefetch(reinterpret_cast<const char*>(column + B::kUnitBytes * u0 + kPrefetchAhead + line), _MM_HINT_T0);
     const int64_t count = std::min<int64_t>(p.blocks - b0, block_step);
     const __m256 scales = load_below(sw + b0, count);
     const __m256i zero_points = _mm256_sub_epi32(zero_point_lanes(w.bits, zero_column, b0, count), offset);

@@ -208,12 +208,7 @@ BP_AVX2 inline void transpose8(__m256i r[8]) {
   }
 }
 
-// A column's zero points (its row of Weights::zero_points, or null where there are none).
-inline const uint8_t* column_zero_points(const Weights& w, int64_t col) {
-  return w.zero_points == nullptr ? nullptr : w.zero_points + col * w.zero_point_columns();
-}
-
-// The zero points of blocks [b0, b0 + count) (count <= 8) of a column (column_zero_points()), one per 32-bit lane,
+// The zero points of blocks [b0, b0 + count) (count <= 8) of a column (Weights::zero_point_row()), one per 32-bit lane,
 // the lanes past count undefined; the codes as Weights::zero_point reads them (4 bits: block 2i the low nibble of
 // byte i). Inlined, with a fixed-size load for a whole step: the few-rows path calls it at every step of every column.
 BP_AVX2 inline __attribute__((always_inline)) __m256i zero_point_lanes(int64_t bits, const uint8_t* column,
@@ -278,7 +273,7 @@ BP_AVX2 void unpack(const Plan& p, int64_t col0, const Panel& panel) {
         const auto* at = reinterpret_cast<const int*>(w.scales + (first + j) * p.blocks + b0);
         scales[j] = count == kLanes ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at))
                                     : _mm256_maskload_epi32(at, mask);
-        zero_points[j] = zero_point_lanes(w.bits, column_zero_points(w, first + j), b0, count);
+        zero_points[j] = zero_point_lanes(w.bits, w.zero_point_row(first + j), b0, count);
       }
       transpose8(scales);
       transpose8(zero_points);
@@ -487,7 +482,7 @@ BP_AVX2 void column_rows(const Plan& p, const FewRows& rows, int64_t col, int64_
   const int64_t per_block = w.block / 32, block_step = kLanes / per_block;  // blocks per step (1-8)
   const uint8_t* column = w.packed + col * w.column_bytes();
   const float* sw = w.scales + col * p.blocks;
-  const uint8_t* zero_column = column_zero_points(w, col);
+  const uint8_t* zero_column = w.zero_point_row(col);
   __m256i order = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(B::kOrder));
   __m256i natural = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   if (per_block > 1) {  // each unit's block within the step

@@ -22,11 +22,15 @@ struct Weights {
   int64_t zero_point_columns() const { return (blocks() * bits + 7) / 8; }
   // the code of column n at row r and its zero point (what the reference path and the tests read)
   int code(int64_t n, int64_t r) const;
+  // column col's zero points (zero_point_columns() bytes), or null where B has none
+  const uint8_t* zero_point_row(int64_t col) const {
+    return zero_points == nullptr ? nullptr : zero_points + col * zero_point_columns();
+  }
   // inline: the int8 panels read one per column and block at every call
   int zero_point(int64_t col, int64_t blk) const {
     if (zero_points == nullptr) return 1 << (bits - 1);
     const int64_t bit = blk * bits;
-    const uint8_t* base = zero_points + col * zero_point_columns();
+    const uint8_t* base = zero_point_row(col);
     uint32_t word = base[bit / 8];
     if (bit % 8 + bits > 8) word |= static_cast<uint32_t>(base[bit / 8 + 1]) << 8;
     return static_cast<int>((word >> (bit % 8)) & ((1u << bits) - 1));

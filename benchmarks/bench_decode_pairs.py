@@ -4,9 +4,12 @@ generator of each, then decodes in blocks that take turns (the order swapped eve
 memory bandwidth, which moves from minute to minute on a shared host, moves under both alike. Per mode: a text
 prompt (no LoRA), and a question about a generated 448x448 photo (the vision LoRA in every step). `--against copy`
 (or `huge-pages`) pairs the library as it loads by default with itself reading a copy of its weights
-(BUILDER_PLUGIN_OPS_WEIGHTS) instead of with onnxruntime's kernels.
+(BUILDER_PLUGIN_OPS_WEIGHTS) instead of with onnxruntime's kernels. `--against split --split-package SPLIT` pairs the
+package's self-routing decoder with the decoder a `--lora split` build of the same checkpoint has for the mode (no `If`
+nodes: the cost of routing), both with the library as it loads by default.
 
     python -m benchmarks.bench_decode_pairs PKG [--modes text,image] [--rounds 64] [--steps 4] [--prompt-tokens 512]
+    python -m benchmarks.bench_decode_pairs PKG --against split --split-package SPLIT_PKG
     python -m benchmarks.bench_decode_pairs --from-json benchmarks/results/decode_pairs.json   # redo the report
 
 Reported per mode: each setting's tokens/s over the blocks (best / median), and the ratio library / the other of every
@@ -43,8 +46,10 @@ from builder_plugin.kernels import level as library_level
 HEADING = "## Decode in pairs"
 BOOTSTRAP = 2000  # resamples of the rounds for the interval of the median ratio
 IMAGE_SIZE = (448, 448)  # the global view and one crop
-# what the library is paired with: name -> (the library registered, BUILDER_PLUGIN_OPS_WEIGHTS while it loads)
-AGAINST = {"onnxruntime": (False, None), "copy": (True, "copy"), "huge-pages": (True, "huge-pages")}
+# what the library is paired with: name -> (the library registered, BUILDER_PLUGIN_OPS_WEIGHTS while it loads); split
+# reads the decoders of --split-package
+AGAINST = {"onnxruntime": (False, None), "copy": (True, "copy"), "huge-pages": (True, "huge-pages"),
+           "split": (True, None)}
 LIBRARY = (True, None)  # as it loads by default
 WEIGHTS = "BUILDER_PLUGIN_OPS_WEIGHTS"
 MODES = ("text", "image")
@@ -54,20 +59,22 @@ STORY = ("The lighthouse keeper counted the ships that passed in the storm and w
 
 
 class Decoding:
-    """One kernel setting's model and generator, prefilled, decoding in timed blocks."""
+    """One setting's model (the package's decoder for the mode, as Chat loads it) and generator, prefilled, decoding
+    in timed blocks."""
 
     def __init__(self, package: Path, setting: tuple[bool, str | None], mode: str, prompt_tokens: int, steps: int,
                  photo: Path) -> None:
         import onnxruntime_genai as og
 
-        from builder_plugin.runtime.package import og_model
+        from builder_plugin.runtime.package import Package
 
         kernels, weights = setting
         before = os.environ.get(WEIGHTS)
         if weights is not None:
             os.environ[WEIGHTS] = weights  # read by the library's kernels as the sessions make them
         try:
-            self.model = og_model(package, kernels=kernels)
+            loader = Package(package, kernels=kernels)
+            self.model = loader.load(loader.variant_for(mode == "image", False)).model
         finally:
             os.environ.pop(WEIGHTS, None)
             if before is not None:
@@ -104,9 +111,10 @@ def pairs(args: argparse.Namespace, mode: str, photo: Path) -> dict[str, Any]:
     """One mode: both settings' decodings, then the blocks in turn."""
     total_steps = (args.rounds + 1) * args.steps
     settings = {"library": LIBRARY, args.against: AGAINST[args.against]}
+    packages = {"library": args.package, args.against: args.split_package or args.package}
     decodings = {}
     for name, setting in settings.items():
-        decodings[name] = Decoding(args.package, setting, mode, args.prompt_tokens, total_steps, photo)
+        decodings[name] = Decoding(packages[name], setting, mode, args.prompt_tokens, total_steps, photo)
         print(f"{mode}, {name}: loaded and prefilled {decodings[name].prompt_tokens} tokens in "
               f"{decodings[name].prefill_s:.1f} s", file=sys.stderr, flush=True)
     for decoding in decodings.values():  # one untimed block each: first-step allocations
@@ -125,7 +133,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="bench-decode-pairs-") as folder:
         photo = make_media(Path(folder), IMAGE_SIZE, 1.0) / "photo.png"
         modes = {mode: pairs(args, mode, photo) for mode in args.modes}
-    return {"package": str(args.package), "library_level": library_level(), "against": args.against,
+    return {"package": str(args.package), "split_package": str(args.split_package or ""),
+            "library_level": library_level(), "against": args.against,
             "rounds": args.rounds, "steps": args.steps, "modes": modes}
 
 
@@ -142,8 +151,13 @@ def _ratios(blocks: dict[str, list[float]], against: str) -> str:
 
 def report(results: dict[str, Any]) -> str:
     against = results.get("against", "onnxruntime")
-    pair = ("the kernel library; onnxruntime's own kernels" if against == "onnxruntime" else
-            f"the kernel library as it loads by default; the library with {WEIGHTS}={against}")
+    split = Path(results.get("split_package") or "").name
+    pair = {"onnxruntime": "loaded twice in one process (the kernel library; onnxruntime's own kernels)",
+            "split": f"and `{split}` (a `--lora split` build: its decoder for the mode, no If nodes) loaded in one "
+                     "process, both with the kernel library as it loads by default"}.get(
+        against, f"loaded twice in one process (the kernel library as it loads by default; the library with "
+                 f"{WEIGHTS}={against})")
+    first = "Routed" if against == "split" else "Library"
     rows = []
     for mode, found in results["modes"].items():
         for name, values in found["tokens_per_s"].items():
@@ -152,12 +166,12 @@ def report(results: dict[str, Any]) -> str:
                          f"{fmt(min(values), 2)}-{fmt(max(values), 2)}"])
     return "\n".join([
         *([results["note"], ""] if results.get("note") else []),
-        f"`{results['command']}` at {results['git']['commit'][:10]}: `{Path(results['package']).name}` loaded twice "
-        f"in one process ({pair}), per mode the same prompt prefilled into "
+        f"`{results['command']}` at {results['git']['commit'][:10]}: `{Path(results['package']).name}` {pair}, per "
+        "mode the same prompt prefilled into "
         f"each (text: the story; image: a 448x448 photo and a question), then {results['rounds']} rounds of "
-        f"{results['steps']} greedy decode steps per kernel, taking turns (the order swapped every round).", "",
+        f"{results['steps']} greedy decode steps per setting, taking turns (the order swapped every round).", "",
         markdown_table(["mode", "prompt tokens", "kernels", "decode tok/s, best / median", "range"], rows), "",
-        *(f"Library / {against} per round, {mode}: {_ratios(found['tokens_per_s'], against)}.\n"
+        *(f"{first} / {against} per round, {mode}: {_ratios(found['tokens_per_s'], against)}.\n"
           for mode, found in results["modes"].items()),
         machine_markdown(results["machine"]), ""])
 
@@ -165,8 +179,9 @@ def report(results: dict[str, Any]) -> str:
 def heading(results: dict[str, Any]) -> str:
     """The section: one per machine class and per setting the library is paired with."""
     against = results.get("against", "onnxruntime")
-    return per_machine_class(HEADING if against == "onnxruntime" else f"{HEADING}, the library against {against}")(
-        results)
+    name = {"onnxruntime": HEADING, "split": f"{HEADING}, routed against split"}.get(
+        against, f"{HEADING}, the library against {against}")
+    return per_machine_class(name)(results)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -180,12 +195,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--against", choices=list(AGAINST), default="onnxruntime",
                         help="what the library, as it loads by default, is paired with")
+    parser.add_argument("--split-package", type=Path, help="with --against split: a --lora split build")
     add_report_options(parser, "decode_pairs.json")
     args = parser.parse_args(argv)
     if args.out == parser.get_default("out") and args.against != "onnxruntime":  # each pairing has a file of its own
         args.out = args.out.with_name(f"decode_pairs_{args.against}.json")
     if not args.from_json and args.package is None:
         parser.error("give the package folder (or --from-json)")
+    if not args.from_json and (args.against == "split") != (args.split_package is not None):
+        parser.error("--against split and --split-package go together")
     if args.rounds < 2:
         parser.error("--rounds must be at least 2")
     return measure_or_replay(args, argv, "bench_decode_pairs.py", heading, run, report)

@@ -161,7 +161,7 @@ def report(results: dict[str, Any]) -> str:
     rows = []
     for mode, found in results["modes"].items():
         for name, values in found["tokens_per_s"].items():
-            rows.append([mode, found["prompt_tokens"], name,
+            rows.append([mode, found["prompt_tokens"], "routed" if against == "split" and name == "library" else name,
                          f"{fmt(max(values), 2)} / {fmt(statistics.median(values), 2)}",
                          f"{fmt(min(values), 2)}-{fmt(max(values), 2)}"])
     return "\n".join([
@@ -170,7 +170,8 @@ def report(results: dict[str, Any]) -> str:
         "mode the same prompt prefilled into "
         f"each (text: the story; image: a 448x448 photo and a question), then {results['rounds']} rounds of "
         f"{results['steps']} greedy decode steps per setting, taking turns (the order swapped every round).", "",
-        markdown_table(["mode", "prompt tokens", "kernels", "decode tok/s, best / median", "range"], rows), "",
+        markdown_table(["mode", "prompt tokens", "decoder" if against == "split" else "kernels",
+                        "decode tok/s, best / median", "range"], rows), "",
         *(f"{first} / {against} per round, {mode}: {_ratios(found['tokens_per_s'], against)}.\n"
           for mode, found in results["modes"].items()),
         machine_markdown(results["machine"]), ""])

@@ -68,12 +68,10 @@ def _last_line_json(command: list[str], env: dict[str, str]) -> Any:
 
 
 def run_package(package: str, args: argparse.Namespace) -> dict[str, Any]:
+    from benchmarks.bench_prompt import ask_in_process
     from builder_plugin.runtime.package import PREFILL_CHUNK
 
-    job = {"package": package, "prompt": "text-512", "media": "", "asks": 2, "new_tokens": args.new_tokens,
-           "chunk": PREFILL_CHUNK}
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    found = _last_line_json([sys.executable, "-m", "benchmarks.bench_prompt", "--worker", json.dumps(job)], env)
+    found = ask_in_process(Path(package), "text-512", "library", PREFILL_CHUNK, Path(), 2, args.new_tokens)
     later = found["runs"][-1]
     return {"prefill_tok_s": later["prompt_tokens"] / later["ttft_s"], "decode_tok_s": later["decode_tokens_per_s"],
             "prompt_tokens": later["prompt_tokens"], "load_s": found["load_s"]}

@@ -119,10 +119,11 @@ def worker(package: str, prompt: str, media: str, asks: int, new_tokens: int, ch
             "runs": runs, "load_average": os.getloadavg()[0]}
 
 
-def _child(package: Path, prompt: str, kernels: str, chunk: int, media: Path,
-           args: argparse.Namespace) -> dict[str, Any]:
-    job = {"package": str(package), "prompt": prompt, "media": str(media), "asks": args.asks,
-           "new_tokens": args.new_tokens, "chunk": chunk}
+def ask_in_process(package: Path, prompt: str, kernels: str, chunk: int, media: Path, asks: int,
+                   new_tokens: int) -> dict[str, Any]:
+    """`worker` in a fresh process with a kernel setting (KERNELS); also what bench_peers measures a package with."""
+    job = {"package": str(package), "prompt": prompt, "media": str(media), "asks": asks, "new_tokens": new_tokens,
+           "chunk": chunk}
     env = {**os.environ, "PYTHONPATH": str(ROOT), **KERNELS[kernels]}
     done = subprocess.run([sys.executable, "-m", __spec__.name, "--worker", json.dumps(job)], capture_output=True,
                           text=True, env=env)
@@ -149,7 +150,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for kernels in order:
                     for chunk in args.prefill_chunks:
                         results.setdefault(f"{prompt}|{kernels}|{chunk}", []).append(
-                            _child(args.package, prompt, kernels, chunk, media, args))
+                            ask_in_process(args.package, prompt, kernels, chunk, media, args.asks,
+                                           args.new_tokens))
     return {"package": str(args.package), "library_level": library_level(), "rounds": args.rounds, "asks": args.asks,
             "new_tokens": args.new_tokens,
             "prompts": args.prompts, "results": results}

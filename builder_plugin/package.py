@@ -2,7 +2,8 @@
 
 Every graph's initializers go to an external data file, one tensor at a time (lazy tensors are computed, written and
 released), and a tensor whose bytes are already in that file is not written again — so the decoder variants, which
-share their base weights, store them once.
+share their base weights, store them once, and the embedding's view of the lm_head's blocks (`StoredView`) reads the
+decoder's bytes.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import onnx_ir as ir
 from tqdm import tqdm
 
 from builder_plugin.errors import OutputError
-from builder_plugin.quant.weights import QuantizedPiece, work_estimate
+from builder_plugin.quant.weights import QuantizedPiece, StoredView, work_estimate
 
 INLINE_LIMIT_BYTES = 1024  # smaller initializers (shape constants, scalars) stay inside the .onnx file
 _ALIGNMENT = 64
@@ -38,7 +39,10 @@ class ExternalDataStore:
     def put(self, tensor: ir.TensorProtocol) -> tuple[int, int]:
         """Append `tensor` unless the same bytes (same dtype and shape) are stored already; returns (offset, length).
 
-        A tensor object already written (shared by several graphs) is not even computed again."""
+        A tensor object already written (shared by several graphs) is not even computed again, and a view is its
+        base's bytes."""
+        if isinstance(tensor, StoredView):
+            return self.put(tensor.base)
         seen = self._by_object.get(id(tensor))
         if seen is not None:
             self.reused_bytes += seen[1][1]
@@ -49,7 +53,10 @@ class ExternalDataStore:
         return location
 
     def has(self, tensor: ir.TensorProtocol) -> bool:
-        """Whether this very tensor object is written already (so putting it again costs nothing)."""
+        """Whether this very tensor object (a view: its base) is written already (so putting it again costs
+        nothing)."""
+        if isinstance(tensor, StoredView):
+            return self.has(tensor.base)
         return id(tensor) in self._by_object
 
     def _put_bytes(self, tensor: ir.TensorProtocol) -> tuple[int, int]:

@@ -24,6 +24,10 @@ Token table layout (``table_layout``), measured with ORT 1.32 on 2 loaded cores 
   points, as the GenAI builder does for tied embeddings, with the lm_head's own scheme (4 or 8 bits, any method: a
   mixed-precision int8 lm_head gives an 8-bit lookup). They are computed by the same quantizer from the same float
   values, so they are byte-identical to the decoder's and stored once; the lookup dequantizes only the gathered rows.
+  The packed weights are read in GatherBlockQuantized's ``[vocab, K]`` shape through a view of the stored bytes
+  (`StoredView`), not a Reshape node: onnxruntime folds a Reshape of an initializer into a copy of its own when a
+  session loads (full size, 8-bit lm_head: 600 MB of anonymous memory), where the view stays in the data file's mapped
+  pages, which the decoder's lm_head reads too.
 The default is "transposed" for float builds and for an lm_head kept float by nodes_to_exclude (the extra ~0.2 ms per
 decode step and ~1 ms per prompt token are ~1% of a full-size decoder step), else "quantized".
 """
@@ -48,7 +52,7 @@ from builder_plugin.layout import AUDIO_FEATURES, GRAPH_FILES, IMAGE_FEATURES, I
 from builder_plugin.options import BuildOptions
 from builder_plugin.quant.kernels import QuantScheme
 from builder_plugin.quant.plan import LM_HEAD_NODE, LM_HEAD_WEIGHT, QuantPlan
-from builder_plugin.quant.weights import ColumnChunkedTensor, QuantizationCache
+from builder_plugin.quant.weights import ColumnChunkedTensor, QuantizationCache, StoredView
 from builder_plugin.spec import Component, IOSpec, TensorSpec
 
 EMBEDDING_FILENAME = GRAPH_FILES[Component.EMBEDDING]
@@ -138,10 +142,12 @@ class EmbeddingBuilder(ComponentBuilder):
                                       key=table.columns_key(0, vocab, self.options.weight_dtype))
         # the decoder's lm_head finds these very tensors in the shared cache: quantized once, written once
         tensors = self.quant_cache.tensors(lm_head, scheme, scheme.names(LM_HEAD_WEIGHT))
-        pieces = [g.initializer(tensor) for tensor in tensors.values()]
         _, blocks, blob = (int(d) for d in tensors["packed"].shape)
-        flat = g.op("Reshape", pieces[0], g.const([vocab, blocks * blob]))
-        rows = g.op("GatherBlockQuantized", flat, ids, *pieces[1:], domain=MS_DOMAIN, bits=scheme.bits,
+        # [vocab, blocks * blob] as GatherBlockQuantized reads it: a view of the stored bytes, not a Reshape node,
+        # which onnxruntime would fold into a second copy of the table in anonymous memory
+        flat = StoredView(tensors["packed"], (vocab, blocks * blob))
+        pieces = [g.initializer(tensor) for tensor in (flat, *(t for k, t in tensors.items() if k != "packed"))]
+        rows = g.op("GatherBlockQuantized", pieces[0], ids, *pieces[1:], domain=MS_DOMAIN, bits=scheme.bits,
                     block_size=scheme.block_size, gather_axis=0, quantize_axis=1)
         padded = blocks * scheme.block_size
         if padded != hidden:  # the quantized rows are padded to whole blocks

@@ -153,9 +153,25 @@ class QuantizedPiece(ir.LazyTensor):
         self.piece_name = piece
 
 
+class StoredView(ir.LazyTensor):
+    """The stored bytes of `base` read under another shape with as many elements. A graph that needs a weight in
+    another shape names this instead of reshaping it: onnxruntime folds a Reshape of an initializer into a copy in
+    anonymous memory when a session loads, where an initializer it reads as stored stays in the data file's mapped
+    pages (shared with every other session reading them). The package writer stores the base's bytes once for both."""
+
+    def __init__(self, base: ir.TensorProtocol, shape: tuple[int, ...]) -> None:
+        if int(np.prod(shape)) != int(np.prod(tuple(base.shape))):
+            raise ValueError(f"{base.name}: a view of shape {shape} cannot read {tuple(base.shape)}")
+        super().__init__(lambda: ir.tensor(base.numpy().reshape(shape), dtype=base.dtype, name=base.name),
+                         dtype=base.dtype, shape=ir.Shape(shape), name=base.name)
+        self.base = base
+
+
 def work_estimate(tensor: ir.TensorProtocol) -> float:
     """What writing `tensor` costs, in units of the time to write one byte: its bytes, plus the whole weight's
     quantization for the first piece of a QuantizedWeight (the one whose reading computes it; packed comes first)."""
+    if isinstance(tensor, StoredView):
+        return work_estimate(tensor.base)
     if isinstance(tensor, QuantizedPiece) and tensor.piece_name == "packed":
         return tensor.nbytes + tensor.weight.cost
     return tensor.nbytes

@@ -77,12 +77,16 @@ class ExternalDataStore:
         return offset, len(data)
 
 
-def _initializers(graph: ir.Graph) -> Iterator[ir.Value]:
+def initializers(graph: ir.Graph) -> Iterator[ir.Value]:
+    """The initializers of `graph` and of every graph inside it (If branches and loop bodies hold some)."""
     yield from graph.initializers.values()
-    for node in ir.traversal.RecursiveGraphIterator(graph):
+    for node in graph:
         for attr in node.attributes.values():
             if isinstance(attr, ir.Attr) and attr.type == ir.AttributeType.GRAPH:
-                yield from _initializers(attr.value)
+                yield from initializers(attr.value)
+            elif isinstance(attr, ir.Attr) and attr.type == ir.AttributeType.GRAPHS:
+                for subgraph in attr.value:
+                    yield from initializers(subgraph)
 
 
 class PackageWriter:
@@ -102,7 +106,7 @@ class PackageWriter:
 
     def save(self, model: ir.Model, filename: str, data_file: str) -> Path:
         store = self.store(data_file)
-        values = [v for v in _initializers(model.graph) if v.const_value is not None]
+        values = [v for v in initializers(model.graph) if v.const_value is not None]
         large = [v for v in values if v.const_value.nbytes > INLINE_LIMIT_BYTES]
         # disable=None: a bar on a terminal only (into a log or a pipe it would write a \r-line per update).
         # The bar advances by each tensor's estimated time (quantizing it included), so its time left is an estimate

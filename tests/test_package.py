@@ -8,7 +8,8 @@ import torch
 
 from builder_plugin.errors import OutputError
 from builder_plugin.graph import GraphBuilder
-from builder_plugin.package import ExternalDataStore, OutputFolder, PackageWriter
+from builder_plugin.package import ExternalDataStore, OutputFolder, PackageWriter, initializers
+from builder_plugin.quant.weights import StoredView
 from builder_plugin.spec import IOSpec, TensorSpec
 
 SPEC = IOSpec(inputs=(TensorSpec("x", "float32", ("n", 64)),), outputs=(TensorSpec("y", "float32", ("n", 32)),))
@@ -42,6 +43,55 @@ def test_store_distinguishes_same_bytes_with_other_shape(tmp_path: Path) -> None
     b = ir.tensor(np.arange(8, dtype=np.float32).reshape(4, 2))
     assert store.put(a) != store.put(b)
     assert store.put(ir.tensor(np.arange(8, dtype=np.float32).reshape(2, 4))) == store.put(a)
+
+
+def test_a_view_is_its_bases_bytes_and_a_graph_reads_it_in_its_own_shape(tmp_path: Path) -> None:
+    """A StoredView costs no bytes of its own: stored before or after its base, both name one location, and a graph
+    reading the view gets the base's values in the view's shape."""
+    values = np.arange(2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4) * 0.5
+    base = ir.LazyTensor(lambda: ir.tensor(values), dtype=ir.DataType.FLOAT, shape=ir.Shape(values.shape), name="w")
+    view = StoredView(base, (2, 12))
+    store = ExternalDataStore(tmp_path / "d.data")
+    assert store.put(view) == store.put(base) == store.put(StoredView(base, (6, 4)))
+    assert store.written_bytes == values.nbytes and (tmp_path / "d.data").stat().st_size == values.nbytes
+    with pytest.raises(ValueError, match="cannot read"):
+        StoredView(base, (5, 5))
+
+    spec = IOSpec(inputs=(TensorSpec("x", "float32", ("n", 12)),), outputs=(TensorSpec("y", "float32", ("n", 2)),))
+    g = GraphBuilder("m", spec)
+    g.output("y", g.op("MatMul", g.inputs["x"], g.op("Transpose", g.initializer(view), perm=[1, 0])))
+    writer = PackageWriter(tmp_path, progress=False)
+    writer.save(g.model(), "m.onnx", "m.data")
+    x = np.random.default_rng(0).standard_normal((3, 12)).astype(np.float32)
+    got = ort.InferenceSession(str(tmp_path / "m.onnx")).run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, x @ values.reshape(2, 12).T, rtol=1e-5, atol=1e-5)
+
+
+def test_initializers_of_nested_branches_are_each_found_once() -> None:
+    def stored(name: str) -> ir.Value:
+        return ir.Value(name=name, shape=ir.Shape([1]), type=ir.TensorType(ir.DataType.FLOAT),
+                        const_value=ir.tensor(np.ones(1, np.float32), name=name))
+
+    cond = ir.val("c", shape=[], type=ir.TensorType(ir.DataType.BOOL))
+
+    def branch(name: str, inner: ir.Graph | None = None) -> ir.Graph:
+        value = stored(f"{name}_w")
+        nodes = []
+        if inner is not None:
+            nodes = [ir.node("If", [cond], attributes={"then_branch": inner, "else_branch": branch(f"{name}_else")},
+                             name=f"{name}_If")]
+            nodes[0].outputs[0].name = f"{name}_out"
+            value = nodes[0].outputs[0]
+        graph = ir.Graph([], [value], nodes=nodes, name=name)
+        if inner is None:
+            graph.register_initializer(value)
+        return graph
+
+    outer = branch("top", inner=branch("deep"))
+    main = ir.Graph([cond], [], nodes=[], name="main")
+    main.register_initializer(stored("main_w"))
+    main.append(ir.node("If", [cond], attributes={"then_branch": outer, "else_branch": branch("other")}, name="If"))
+    assert sorted(v.name for v in initializers(main)) == ["deep_w", "main_w", "other_w", "top_else_w"]
 
 
 def test_output_folder_replaces_only_on_commit(tmp_path: Path) -> None:

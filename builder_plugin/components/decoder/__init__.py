@@ -18,9 +18,8 @@ What the subclass changes:
   writes one decoder file per input mode instead.
 - int4/int8: the float graph is rewritten by `builder_plugin.quant.matmul.quantize_matmuls` (lazy, streaming) with
   the per-node schemes of `builder_plugin.quant.plan.QuantPlan`, rather than the builder's whole-graph ``to_nbits``.
-- The LongRoPE cos/sin caches, which the builder puts in ``If`` branches as Constant nodes inside ``model.onnx``,
-  become initializers of those branches, so they go to external data, are shared between variants and are read in
-  the data file's mapped pages (through an Identity of a main-graph initializer onnxruntime copied them).
+- The LongRoPE cos/sin caches, which the builder puts in ``If`` branches as Constant nodes inside ``model.onnx``, are
+  hoisted to main-graph initializers so they go to external data and are shared between variants.
 
 The modules, by job: `variants` (the decoder plan: which files a build makes), `weights` (lazy initializers), `tree`
 (the module tree the builder walks), `genai_builder` (the builder subclass), `lora_names` (the LoRA node names it

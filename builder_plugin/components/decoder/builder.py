@@ -16,7 +16,7 @@ from builder_plugin.components.decoder.mode_routing import (
     add_mode_state,
     route_lora_branches,
 )
-from builder_plugin.components.decoder.passes import fix_declared_shapes, store_rope_caches
+from builder_plugin.components.decoder.passes import fix_declared_shapes, hoist_rope_caches
 from builder_plugin.components.decoder.tree import make_tree
 from builder_plugin.components.decoder.variants import DecoderPlan
 from builder_plugin.components.decoder.weights import WeightTensors
@@ -100,7 +100,7 @@ class DecoderBuilder(ComponentBuilder):
                 builder.make_model(str(options.model_dir))
             model = builder.model
             model.graph.sort()
-            store_rope_caches(model, rope_caches)
+            hoist_rope_caches(model, rope_caches)
             fix_declared_shapes(model)
             graphs[variant.filename] = model
         return BuildOutput(graphs, self._spec(config, options, plan), runtime)

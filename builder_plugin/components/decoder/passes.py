@@ -1,4 +1,4 @@
-"""Graph passes on the GenAI builder's output: LongRoPE caches stored as branch initializers, declared shapes fixed."""
+"""Graph passes on the GenAI builder's output: LongRoPE caches out of the If branches, declared shapes fixed."""
 
 from __future__ import annotations
 
@@ -7,13 +7,15 @@ import onnx_ir as ir
 from builder_plugin.errors import DecoderBuildError
 
 
-def store_rope_caches(model: ir.Model, shared: dict[str, ir.TensorProtocol]) -> None:
-    """Make the LongRoPE caches, Constant nodes in the If branches, initializers of those branches.
+def hoist_rope_caches(model: ir.Model, shared: dict[str, ir.TensorProtocol]) -> None:
+    """Move the LongRoPE caches out of the If-branch Constant nodes into main-graph initializers.
 
-    Initializers go to external data (deduplicated across variants: `shared` holds one tensor per cache) instead of
-    bloating each .onnx file, and onnxruntime reads them in the data file's mapped pages. They stay in their branch:
-    read there through an Identity of a main-graph initializer, they were folded by onnxruntime into copies of its
-    own when a session loaded (68 MB of anonymous memory at full size). The If and its answers are unchanged.
+    Initializers go to external data (deduplicated across variants) instead of bloating each .onnx file; each branch
+    keeps an Identity of its outer-scope cache, so the If and the runtime behaviour are unchanged. onnxruntime folds
+    those Identity nodes into copies of the caches when a session loads (68 MB of anonymous memory at full size), and
+    no other form avoids it: it refuses a branch that returns an outer-scope value without a node, and a branch's own
+    initializers with external data load only where the data file is not a symbolic link (1.32: "should be stored in
+    ... but it is a symbolic link"), which a Hugging Face snapshot folder's files are.
     """
     graph = model.graph
     for node in list(graph):
@@ -26,18 +28,21 @@ def store_rope_caches(model: ir.Model, shared: dict[str, ir.TensorProtocol]) -> 
                     continue
                 out = const.outputs[0]
                 tensor = const.attributes["value"].value
-                name = f"model.rotary_emb.{out.name}"
+                name = f"model.rotary_emb.{out.name}"  # must differ from the branch output it feeds
                 if name not in shared:
                     tensor.name = name
                     shared[name] = tensor
                 elif shared[name].tobytes() != tensor.tobytes():
                     raise DecoderBuildError(f"rotary cache {name} differs between decoder variants")
                 tensor = shared[name]
-                stored = ir.Value(name=out.name, shape=ir.Shape(tensor.shape), type=ir.TensorType(tensor.dtype),
-                                  const_value=tensor)
-                ir.convenience.replace_all_uses_with(out, stored, replace_graph_outputs=True)
-                branch.remove(const, safe=True)
-                branch.register_initializer(stored)
+                outer = graph.initializers.get(name)
+                if outer is None:
+                    outer = ir.Value(name=name, shape=ir.Shape(tensor.shape), type=ir.TensorType(tensor.dtype),
+                                     const_value=tensor)
+                    graph.register_initializer(outer)
+                identity = ir.node("Identity", [outer], name=f"{const.name}/Identity", num_outputs=1)
+                ir.convenience.replace_nodes_and_values(branch, const, [const], [identity], [out],
+                                                        [identity.outputs[0]])
 
 
 def fix_declared_shapes(model: ir.Model) -> None:

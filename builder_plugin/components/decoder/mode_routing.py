@@ -241,7 +241,9 @@ def _adapter_branch(owner: str, adapter: str, a_node: ir.Node, sites: list[_Site
     library, which reads weights in place, the two forms hold the same memory, and the branch form decoded 1-3 %
     faster in pairs (1.031 text, 1.011 image, quartiles either side of 1): the outer-scope reads, not the Ifs
     themselves, are most of the routing's cost (an If whose branches read no outer weight ran at 1.006 of the If-free
-    graph's step time, the routed graph at 1.020)."""
+    graph's step time, the routed graph at 1.020). The branch form is not an option anyway: onnxruntime 1.32 loads a
+    branch's own initializers only where the data file is not a symbolic link, which a Hugging Face snapshot's files
+    are."""
     nodes: list[ir.Node] = []
 
     def clone(node: ir.Node, inputs: list[ir.Value]) -> ir.Node:

@@ -19,7 +19,7 @@ import onnx_ir as ir
 from tqdm import tqdm
 
 from builder_plugin.errors import OutputError
-from builder_plugin.quant.weights import QuantizedPiece, StoredView, work_estimate
+from builder_plugin.quant.weights import QuantizedPiece, stored_tensor, work_estimate
 
 INLINE_LIMIT_BYTES = 1024  # smaller initializers (shape constants, scalars) stay inside the .onnx file
 _ALIGNMENT = 64
@@ -41,8 +41,7 @@ class ExternalDataStore:
 
         A tensor object already written (shared by several graphs) is not even computed again, and a view is its
         base's bytes."""
-        if isinstance(tensor, StoredView):
-            return self.put(tensor.base)
+        tensor = stored_tensor(tensor)
         seen = self._by_object.get(id(tensor))
         if seen is not None:
             self.reused_bytes += seen[1][1]
@@ -55,9 +54,7 @@ class ExternalDataStore:
     def has(self, tensor: ir.TensorProtocol) -> bool:
         """Whether this very tensor object (a view: its base) is written already (so putting it again costs
         nothing)."""
-        if isinstance(tensor, StoredView):
-            return self.has(tensor.base)
-        return id(tensor) in self._by_object
+        return id(stored_tensor(tensor)) in self._by_object
 
     def _put_bytes(self, tensor: ir.TensorProtocol) -> tuple[int, int]:
         data = tensor.tobytes()

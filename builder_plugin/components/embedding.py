@@ -145,8 +145,8 @@ class EmbeddingBuilder(ComponentBuilder):
         _, blocks, blob = (int(d) for d in tensors["packed"].shape)
         # [vocab, blocks * blob] as GatherBlockQuantized reads it: a view of the stored bytes, not a Reshape node,
         # which onnxruntime would fold into a second copy of the table in anonymous memory
-        flat = StoredView(tensors["packed"], (vocab, blocks * blob))
-        pieces = [g.initializer(tensor) for tensor in (flat, *(t for k, t in tensors.items() if k != "packed"))]
+        stored = {**tensors, "packed": StoredView(tensors["packed"], (vocab, blocks * blob))}
+        pieces = [g.initializer(tensor) for tensor in stored.values()]
         rows = g.op("GatherBlockQuantized", pieces[0], ids, *pieces[1:], domain=MS_DOMAIN, bits=scheme.bits,
                     block_size=scheme.block_size, gather_axis=0, quantize_axis=1)
         padded = blocks * scheme.block_size

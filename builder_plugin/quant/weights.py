@@ -167,11 +167,15 @@ class StoredView(ir.LazyTensor):
         self.base = base
 
 
+def stored_tensor(tensor: ir.TensorProtocol) -> ir.TensorProtocol:
+    """The tensor whose bytes a writer stores for `tensor`: a view's base, else `tensor` itself."""
+    return tensor.base if isinstance(tensor, StoredView) else tensor
+
+
 def work_estimate(tensor: ir.TensorProtocol) -> float:
     """What writing `tensor` costs, in units of the time to write one byte: its bytes, plus the whole weight's
     quantization for the first piece of a QuantizedWeight (the one whose reading computes it; packed comes first)."""
-    if isinstance(tensor, StoredView):
-        return work_estimate(tensor.base)
+    tensor = stored_tensor(tensor)
     if isinstance(tensor, QuantizedPiece) and tensor.piece_name == "packed":
         return tensor.nbytes + tensor.weight.cost
     return tensor.nbytes

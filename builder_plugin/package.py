@@ -77,13 +77,8 @@ class ExternalDataStore:
 def initializers(graph: ir.Graph) -> Iterator[ir.Value]:
     """The initializers of `graph` and of every graph inside it (If branches and loop bodies hold some)."""
     yield from graph.initializers.values()
-    for node in graph:
-        for attr in node.attributes.values():
-            if isinstance(attr, ir.Attr) and attr.type == ir.AttributeType.GRAPH:
-                yield from initializers(attr.value)
-            elif isinstance(attr, ir.Attr) and attr.type == ir.AttributeType.GRAPHS:
-                for subgraph in attr.value:
-                    yield from initializers(subgraph)
+    for subgraph in graph.subgraphs():  # every nested graph once
+        yield from subgraph.initializers.values()
 
 
 class PackageWriter:

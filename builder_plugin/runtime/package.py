@@ -243,7 +243,7 @@ class Package:
 
     def _load(self, variant: str) -> LoadedModel:
         try:
-            config = og.Config(str(self.dir))
+            config = og.Config(str(self.dir.absolute()))  # the library loads with its own folder as the cwd
             overlay: dict[str, Any] = {"search": {"max_length": self.max_length},
                                        "model": json.loads(json.dumps(self.thread_overlay))}
             if variant != self.main_decoder:

@@ -74,6 +74,16 @@ def test_a_package_answers_as_with_onnxruntimes_kernel(tiny_int4_package, tiny_p
 
 
 @NEEDS_LIBRARY
+def test_a_package_named_by_a_relative_path_loads(tiny_int4_package, monkeypatch):
+    """The model is created with the library's folder as the current directory (kernel_library.loading): a package
+    named relative to the caller's folder loads all the same."""
+    monkeypatch.chdir(tiny_int4_package.parent)
+    package = Package(tiny_int4_package.name)
+    assert package.kernel_library is not None
+    assert package.load(package.main_decoder).model is not None
+
+
+@NEEDS_LIBRARY
 def test_every_matmul_nbits_runs_on_the_library(tiny_int4_package):
     """A fresh process loads the package through Chat; the library names each MatMulNBits kernel it makes."""
     script = f"from builder_plugin.runtime import Chat; Chat({str(tiny_int4_package)!r}).load('phi-4-mm-text.onnx')"

@@ -1,7 +1,9 @@
 """A built package opened for running: its configuration, read once, and its models, loaded on first use.
 
 One ``og.Model`` answers every input mode of a routed package: its decoder picks the LoRA adapter of the conversation
-from the prompt itself, so vision, speech, embedding and decoder sessions are loaded once. A split package
+from the prompt itself, so vision, speech, embedding and decoder sessions are loaded once. Where the kernel library
+runs it, a routed CPU package's text decoder without LoRA answers text-only conversations, in an ``og.Model`` of its
+own loaded on the first of them (variant_for). A split package
 (``--lora split``) has one decoder file per mode and gets one ``og.Model`` per mode used, each with its own sessions;
 ``manifest.json`` says which file answers which mode. Every session computes with ``threads`` intra-op threads, by
 default one per physical core the process may use, set by an og.Config overlay at load (runtime/threads.py).
@@ -228,11 +230,26 @@ class Package:
         return self.manifest.original_max_position_embeddings
 
     def variant_for(self, has_image: bool, has_audio: bool) -> str:
-        """The decoder file for a conversation with (or without) images and audio."""
-        return self.manifest.decoders[mode_of(has_image, has_audio)]
+        """The decoder file for a conversation with (or without) images and audio.
+
+        A self-routing package's own decoder for a mode (its text decoder without LoRA) answers only where the kernel
+        library runs the package: the library reads the weights in place from the shared data file, where
+        onnxruntime's kernel prepacks a copy per session, which would hold the weights twice once a process had
+        loaded both decoders. Elsewhere the routed decoder answers every mode."""
+        name = self.manifest.decoders[mode_of(has_image, has_audio)]
+        if self.manifest.routing == "self" and self.kernel_library is None:
+            return self.main_decoder
+        return name
 
     def is_loaded(self, variant: str) -> bool:
         return variant in self._models
+
+    def preload(self) -> None:
+        """Load the decoders a server's first requests would otherwise wait for: text's, and a self-routing package's
+        routed one (media) where text has another."""
+        text = self.variant_for(has_image=False, has_audio=False)
+        for variant in dict.fromkeys((text, self.main_decoder) if self.manifest.routing == "self" else (text,)):
+            self.load(variant)
 
     def load(self, variant: str) -> LoadedModel:
         """The loaded model of a decoder file (loaded on first use and kept)."""

@@ -155,7 +155,7 @@ def serve(args: argparse.Namespace) -> int:
                           **({} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk or None}))
         if args.image_detail == "low" and package.crop_side is None and package.genai_config["model"].get("vision"):
             raise ValueError("--image-detail low: this package's vision processor does not give its crop size")
-        package.load(package.variant_for(has_image=False, has_audio=False))  # the first request does not wait for it
+        package.preload()  # the first requests do not wait for a decoder to load
         listener = socket.create_server((args.host, args.port))
         host, port = listener.getsockname()[:2]
         cache = MediaCache(MediaDecoder(limits, processes=defaults.MEDIA_PROCESSES), int(args.media_cache_mb * MB))

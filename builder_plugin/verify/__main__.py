@@ -73,7 +73,7 @@ def verify(args: argparse.Namespace) -> Report:
     from builder_plugin.precisions import lowest
     from builder_plugin.reference.streaming import StreamingReference, TeacherForced
     from builder_plugin.runtime import ChatError
-    from builder_plugin.verify.engine import matmul_kernel, run_package
+    from builder_plugin.verify.engine import assignments, matmul_kernel, run_package
     from builder_plugin.verify.metrics import THRESHOLDS, compare, judge
     from builder_plugin.verify.package_info import check_architecture, has_speech, package_precisions
     from builder_plugin.verify.prompts import build_cases
@@ -103,7 +103,7 @@ def verify(args: argparse.Namespace) -> Report:
     with tempfile.TemporaryDirectory(prefix="verify-media-") as media:
         cases = build_cases(modes, Path(media), args.prompt, args.image, args.audio)
         started = time.perf_counter()
-        steps = len(cases) * args.max_new_tokens
+        steps = sum(map(len, assignments(str(package), cases).values())) * args.max_new_tokens
         with MemorySampler() as package_memory, tqdm(total=steps, desc="package: onnxruntime-genai", leave=False,
                                                       disable=bars_off) as bar:
             runs = run_package(str(package), cases, args.max_new_tokens, on_step=bar.update)

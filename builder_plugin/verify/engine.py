@@ -1,6 +1,7 @@
 """The package side: each case run through onnxruntime-genai as an app runs it (the decoder variant the run-time
-helper picks for the mode, the model's own multimodal processor, greedy og.Generator), keeping the processor tensors,
-the generated tokens and the last-position logits of every step."""
+helper picks for the mode, and on a self-routing package the routed decoder too; the model's own multimodal
+processor, greedy og.Generator), keeping the processor tensors, the generated tokens and the last-position logits of
+every step."""
 
 from __future__ import annotations
 
@@ -43,25 +44,36 @@ def matmul_kernel(package: str) -> str:
     return f"the builder_plugin library ({kernels.paths()})"
 
 
+def assignments(package: str, cases: Sequence[Case]) -> dict[str, list[int]]:
+    """{decoder file: the indices of the cases it runs}: each case on the variant the run-time helper picks for its
+    mode, and on a self-routing package also on the routed decoder, which a plain onnxruntime-genai app runs for every
+    mode (where the helper answers text with the text decoder, both are checked)."""
+    package_ = Chat(package).package
+    by_variant: dict[str, list[int]] = {}
+    for index, case in enumerate(cases):
+        chosen = package_.variant_for(bool(case.images), bool(case.audios))
+        for variant in dict.fromkeys((chosen, package_.main_decoder) if package_.manifest.routing == "self"
+                                     else (chosen,)):
+            by_variant.setdefault(variant, []).append(index)
+    return by_variant
+
+
 def run_package(package: str, cases: Sequence[Case], max_new_tokens: int,
                 on_step: Callable[[], None] = lambda: None) -> list[PackageRun]:
-    """Run every case; one og.Model is loaded per decoder variant and released before the next variant loads (each
-    model holds its own encoder sessions, so keeping several would add up)."""
-    by_variant: dict[str, list[int]] = {}
-    variant_of = Chat(package).variant_for
-    for index, case in enumerate(cases):
-        by_variant.setdefault(variant_of(bool(case.images), bool(case.audios)), []).append(index)
-    runs: list[PackageRun | None] = [None] * len(cases)
-    for variant, indices in by_variant.items():
+    """Run every case on the decoders `assignments` gives it; one og.Model is loaded per decoder variant and
+    released before the next variant loads (each model holds its own encoder sessions, so keeping several would add
+    up)."""
+    runs: list[tuple[int, PackageRun]] = []
+    for variant, indices in assignments(package, cases).items():
         chat = Chat(package)
         model = chat.model(variant)
         processor = model.create_multimodal_processor()
         eos = {int(t) for t in og.Tokenizer(model).eos_token_ids}
         for index in indices:
-            runs[index] = _generate(model, processor, eos, cases[index], variant, max_new_tokens, on_step)
+            runs.append((index, _generate(model, processor, eos, cases[index], variant, max_new_tokens, on_step)))
         del processor, model, chat
         gc.collect()
-    return [run for run in runs if run is not None]
+    return [run for _, run in sorted(runs, key=lambda item: item[0])]  # in the cases' order
 
 
 def _generate(model, processor, eos: set[int], case: Case, variant: str, max_new_tokens: int,

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from builder_plugin import kernels
+from builder_plugin.layout import MAIN_DECODER, SPLIT_DECODERS
 from builder_plugin.runtime import Chat, Package
 from builder_plugin.runtime.kernel_library import SWITCH, for_package
 
@@ -71,6 +72,27 @@ def test_a_package_answers_as_with_onnxruntimes_kernel(tiny_int4_package, tiny_p
     assert {p.name: p.read_bytes() for p in tiny_int4_package.iterdir()} == files  # nothing written to the package
     assert "custom_ops_library" not in json.loads((tiny_int4_package / "genai_config.json").read_text())["model"][
         "decoder"]["session_options"]
+
+
+@NEEDS_LIBRARY
+def test_text_is_answered_by_the_text_decoder_where_the_library_runs(tiny_int4_package, media_dir):
+    """A routed CPU int4 package's decoder without LoRA answers text-only conversations where the library reads the
+    weights in place; a conversation that gains an image moves to the routed decoder. Without the library (whose
+    absence makes onnxruntime prepack a copy of the weights per session) the routed decoder answers every mode."""
+    modes = ((False, False), (True, False), (False, True), (True, True))
+    package = Package(tiny_int4_package)
+    assert [package.variant_for(*mode) for mode in modes] == [SPLIT_DECODERS["text"], *[MAIN_DECODER] * 3]
+    assert {Package(tiny_int4_package, kernels=False).variant_for(*mode) for mode in modes} == {MAIN_DECODER}
+    chat = Chat(package)
+    list(chat.ask("Say something.", max_new_tokens=2))
+    assert package.is_loaded(SPLIT_DECODERS["text"]) and not package.is_loaded(MAIN_DECODER)
+    assert chat.next_variant() == SPLIT_DECODERS["text"]
+    assert chat.next_variant([media_dir / "square.png"]) == MAIN_DECODER
+    list(chat.ask("And this?", [media_dir / "square.png"], max_new_tokens=2))
+    assert package.is_loaded(MAIN_DECODER) and chat.next_variant() == MAIN_DECODER
+    served = Package(tiny_int4_package)
+    served.preload()  # what the server loads before its first request
+    assert served.is_loaded(SPLIT_DECODERS["text"]) and served.is_loaded(MAIN_DECODER)
 
 
 @NEEDS_LIBRARY

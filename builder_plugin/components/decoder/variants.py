@@ -1,5 +1,12 @@
 """The decoder plan of a build: which decoder files it makes (one variant per file, with the LoRA adapters it runs or
-merges) and which file answers each input mode. Computed once per build from options `validate_options` accepted."""
+merges) and which file answers each input mode. Computed once per build from options `validate_options` accepted.
+
+A routed CPU int4 / int8 build also writes a text decoder without LoRA (no ``If`` nodes), with the same I/O as the
+routed one and reading the same data file: the run time answers a text-only conversation with it where the project's
+kernel library reads the weights in place, so the second decoder holds no second copy of them (runtime.package). The
+routing's ``If`` nodes cost a text prompt about 5 % of its prefill (the skipped branches copy each projection's
+output) and a few percent of every decode step; a plain onnxruntime-genai app runs the routed decoder, which
+genai_config.json names, for every mode."""
 
 from __future__ import annotations
 
@@ -43,7 +50,10 @@ class DecoderPlan:
             return cls(tuple(DecoderVariant(SPLIT_DECODERS[mode], MODE_LORA[mode],
                                             adapters=LORA_ADAPTERS[MODE_LORA[mode]], input_mode=mode)
                              for mode in SPLIT_ORDER))
-        return cls((DecoderVariant(MAIN_DECODER, lora, adapters=LORA_ADAPTERS[lora]),))
+        main = DecoderVariant(MAIN_DECODER, lora, adapters=LORA_ADAPTERS[lora])
+        if main.self_routing and options.execution_provider == "cpu" and options.quantize:
+            return cls((main, DecoderVariant(SPLIT_DECODERS["text"], lora, input_mode="text")))
+        return cls((main,))
 
     @property
     def self_routing(self) -> bool:
@@ -59,5 +69,8 @@ class DecoderPlan:
 
     @property
     def decoders(self) -> dict[str, str]:
-        """manifest.json's decoder file per input mode, in INPUT_MODES order."""
-        return {mode: next(v.filename for v in self.variants if v.input_mode in (mode, None)) for mode in INPUT_MODES}
+        """manifest.json's decoder file per input mode, in INPUT_MODES order: the variant made for that mode, else the
+        one that answers every mode."""
+        return {mode: next((v.filename for v in self.variants if v.input_mode == mode),
+                           next((v.filename for v in self.variants if v.input_mode is None), None))
+                for mode in INPUT_MODES}

@@ -385,9 +385,13 @@ def test_routed_quantized_weights_are_the_split_variants(extra, tiny_checkpoint,
                                                           tmp_path) -> None:
     """The routed decoder is quantized before its adapters move into Ifs, so under every algorithm (also those
     onnxruntime applies to main-graph MatMuls only) no float MatMul is left, and every weight is byte for byte the
-    split variants' (whose quantization is compared with the stock builder's above); it answers like them."""
-    routed = _build_and_save(tiny_config, tiny_weights, _options(tiny_checkpoint, "int4", "routed", extra=extra),
-                             tmp_path / "routed")[1][MAIN_DECODER]
+    split variants' (whose quantization is compared with the stock builder's above); it answers like them. Its text
+    decoder (a CPU int4 / int8 build's) has no LoRA and no If but the LongRoPE caches', the routed decoder's I/O, the
+    same data file, and answers text like the split text decoder."""
+    routed_paths = _build_and_save(tiny_config, tiny_weights, _options(tiny_checkpoint, "int4", "routed", extra=extra),
+                                   tmp_path / "routed")[1]
+    assert sorted(routed_paths) == sorted((MAIN_DECODER, SPLIT_DECODERS["text"]))
+    routed, text = routed_paths[MAIN_DECODER], routed_paths[SPLIT_DECODERS["text"]]
     split = _build_and_save(tiny_config, tiny_weights, _options(tiny_checkpoint, "int4", "split", extra=extra),
                             tmp_path / "split")[1]
     model = onnx.load(str(routed))
@@ -409,6 +413,19 @@ def test_routed_quantized_weights_are_the_split_variants(extra, tiny_checkpoint,
         got = SharedBufferDecoder(routed, tiny_config).run(embeds, steps, placeholders)[1]
         want = SharedBufferDecoder(split[SPLIT_DECODERS[mode]], tiny_config).run(embeds, steps)[1]
         np.testing.assert_allclose(np.stack(got), np.stack(want), atol=1e-4, rtol=0)
+
+    text_model = onnx.load(str(text), load_external_data=False)
+    text_nodes = list(ir.traversal.RecursiveGraphIterator(ir.from_proto(text_model).graph))
+    assert [n.name for n in text_nodes if n.op_type == "If"] == ["/model/rope_caches_subgraph/If"]
+    assert not [n.name for n in text_nodes if "lora" in (n.name or "")]
+    io = [[(v.name, v.type.SerializeToString()) for v in values] for values in (model.graph.input, model.graph.output)]
+    assert [[(v.name, v.type.SerializeToString()) for v in values]
+            for values in (text_model.graph.input, text_model.graph.output)] == io
+    assert {e.value for t in text_model.graph.initializer for e in t.external_data if e.key == "location"} == {
+        DATA_FILE}
+    got = SharedBufferDecoder(text, tiny_config).run(embeds, steps, ())[1]
+    want = SharedBufferDecoder(split[SPLIT_DECODERS["text"]], tiny_config).run(embeds, steps)[1]
+    np.testing.assert_allclose(np.stack(got), np.stack(want), atol=1e-4, rtol=0)
 
 
 def test_mixed_precision_puts_int8_on_the_stock_builders_nodes(tiny_checkpoint, tiny_config, tiny_weights,
@@ -514,6 +531,9 @@ def test_runtime_settings(tiny_checkpoint, tiny_config, tiny_weights) -> None:
 
     cpu = runtime()
     assert (cpu.routing, cpu.decoders) == ("self", dict.fromkeys(INPUT_MODES, MAIN_DECODER))
+    int4 = runtime(precision="int4")  # with the text decoder without LoRA
+    assert (int4.routing, int4.decoders) == ("self", {"text": SPLIT_DECODERS["text"], "vision": MAIN_DECODER,
+                                                      "speech": MAIN_DECODER})
     assert cpu.past_present_share_buffer and cpu.provider_options == ()
     split = runtime(lora="split")
     assert (split.routing, list(split.decoders.items())) == ("split", [

@@ -6,10 +6,13 @@ prompt (no LoRA), and a question about a generated 448x448 photo (the vision LoR
 (or `huge-pages`) pairs the library as it loads by default with itself reading a copy of its weights
 (BUILDER_PLUGIN_OPS_WEIGHTS) instead of with onnxruntime's kernels. `--against split --split-package SPLIT` pairs the
 package's self-routing decoder with the decoder a `--lora split` build of the same checkpoint has for the mode (no `If`
-nodes: the cost of routing), both with the library as it loads by default.
+nodes: the cost of routing), both with the library as it loads by default. `--against routed` pairs the decoder Chat
+answers the mode with (a routed CPU package's text decoder without LoRA, for text) with the package's routed decoder,
+which a plain onnxruntime-genai app runs, both with the library.
 
     python -m benchmarks.bench_decode_pairs PKG [--modes text,image] [--rounds 64] [--steps 4] [--prompt-tokens 512]
     python -m benchmarks.bench_decode_pairs PKG --against split --split-package SPLIT_PKG
+    python -m benchmarks.bench_decode_pairs PKG --against routed --modes text
     python -m benchmarks.bench_decode_pairs --from-json benchmarks/results/decode_pairs.json   # redo the report
 
 Reported per mode: each setting's tokens/s over the blocks (best / median), and the ratio library / the other of every
@@ -47,9 +50,10 @@ HEADING = "## Decode in pairs"
 BOOTSTRAP = 2000  # resamples of the rounds for the interval of the median ratio
 IMAGE_SIZE = (448, 448)  # the global view and one crop
 # what the library is paired with: name -> (the library registered, BUILDER_PLUGIN_OPS_WEIGHTS while it loads); split
-# reads the decoders of --split-package
+# reads the decoders of --split-package, routed the package's routed decoder (ROUTED)
 AGAINST = {"onnxruntime": (False, None), "copy": (True, "copy"), "huge-pages": (True, "huge-pages"),
-           "split": (True, None)}
+           "split": (True, None), "routed": (True, None)}
+ROUTED = "routed"
 LIBRARY = (True, None)  # as it loads by default
 WEIGHTS = "BUILDER_PLUGIN_OPS_WEIGHTS"
 MODES = ("text", "image")
@@ -63,7 +67,7 @@ class Decoding:
     in timed blocks."""
 
     def __init__(self, package: Path, setting: tuple[bool, str | None], mode: str, prompt_tokens: int, steps: int,
-                 photo: Path) -> None:
+                 photo: Path, routed: bool = False) -> None:
         import onnxruntime_genai as og
 
         from builder_plugin.runtime.package import Package
@@ -74,7 +78,8 @@ class Decoding:
             os.environ[WEIGHTS] = weights  # read by the library's kernels as the sessions make them
         try:
             loader = Package(package, kernels=kernels)
-            self.model = loader.load(loader.variant_for(mode == "image", False)).model
+            self.decoder = loader.main_decoder if routed else loader.variant_for(mode == "image", False)
+            self.model = loader.load(self.decoder).model
         finally:
             os.environ.pop(WEIGHTS, None)
             if before is not None:
@@ -114,9 +119,10 @@ def pairs(args: argparse.Namespace, mode: str, photo: Path) -> dict[str, Any]:
     packages = {"library": args.package, args.against: args.split_package or args.package}
     decodings = {}
     for name, setting in settings.items():
-        decodings[name] = Decoding(packages[name], setting, mode, args.prompt_tokens, total_steps, photo)
-        print(f"{mode}, {name}: loaded and prefilled {decodings[name].prompt_tokens} tokens in "
-              f"{decodings[name].prefill_s:.1f} s", file=sys.stderr, flush=True)
+        decodings[name] = Decoding(packages[name], setting, mode, args.prompt_tokens, total_steps, photo,
+                                   routed=name == ROUTED)
+        print(f"{mode}, {name} ({decodings[name].decoder}): loaded and prefilled {decodings[name].prompt_tokens} "
+              f"tokens in {decodings[name].prefill_s:.1f} s", file=sys.stderr, flush=True)
     for decoding in decodings.values():  # one untimed block each: first-step allocations
         decoding.block(args.steps)
     blocks: dict[str, list[float]] = {name: [] for name in settings}
@@ -126,7 +132,8 @@ def pairs(args: argparse.Namespace, mode: str, photo: Path) -> dict[str, Any]:
             blocks[name].append(decodings[name].block(args.steps))
         print(f"{mode}, round {round_index + 1}: " + ", ".join(f"{n} {blocks[n][-1]:.2f}" for n in settings) +
               " tok/s", file=sys.stderr, flush=True)
-    return {"prompt_tokens": decodings["library"].prompt_tokens, "tokens_per_s": blocks}
+    return {"prompt_tokens": decodings["library"].prompt_tokens, "tokens_per_s": blocks,
+            "decoders": {name: decoding.decoder for name, decoding in decodings.items()}}
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -154,14 +161,20 @@ def report(results: dict[str, Any]) -> str:
     split = Path(results.get("split_package") or "").name
     pair = {"onnxruntime": "loaded twice in one process (the kernel library; onnxruntime's own kernels)",
             "split": f"and `{split}` (a `--lora split` build: its decoder for the mode, no If nodes) loaded in one "
-                     "process, both with the kernel library as it loads by default"}.get(
+                     "process, both with the kernel library as it loads by default",
+            ROUTED: "loaded twice in one process, both with the kernel library as it loads by default: the decoder "
+                    "Chat answers the mode with (its text decoder without LoRA, for text) and the routed decoder "
+                    "genai_config.json names"}.get(
         against, f"loaded twice in one process (the kernel library as it loads by default; the library with "
                  f"{WEIGHTS}={against})")
-    first = "Routed" if against == "split" else "Library"
+    first = {"split": "Routed", ROUTED: "Chat's decoder"}.get(against, "Library")
     rows = []
     for mode, found in results["modes"].items():
         for name, values in found["tokens_per_s"].items():
-            rows.append([mode, found["prompt_tokens"], "routed" if against == "split" and name == "library" else name,
+            decoder = found.get("decoders", {}).get(name)
+            label = {"split": "routed" if name == "library" else name,
+                     ROUTED: f"`{decoder}`" if decoder else name}.get(against, name)
+            rows.append([mode, found["prompt_tokens"], label,
                          f"{fmt(max(values), 2)} / {fmt(statistics.median(values), 2)}",
                          f"{fmt(min(values), 2)}-{fmt(max(values), 2)}"])
     return "\n".join([
@@ -170,7 +183,7 @@ def report(results: dict[str, Any]) -> str:
         "mode the same prompt prefilled into "
         f"each (text: the story; image: a 448x448 photo and a question), then {results['rounds']} rounds of "
         f"{results['steps']} greedy decode steps per setting, taking turns (the order swapped every round).", "",
-        markdown_table(["mode", "prompt tokens", "decoder" if against == "split" else "kernels",
+        markdown_table(["mode", "prompt tokens", "decoder" if against in ("split", ROUTED) else "kernels",
                         "decode tok/s, best / median", "range"], rows), "",
         *(f"{first} / {against} per round, {mode}: {_ratios(found['tokens_per_s'], against)}.\n"
           for mode, found in results["modes"].items()),
@@ -180,7 +193,8 @@ def report(results: dict[str, Any]) -> str:
 def heading(results: dict[str, Any]) -> str:
     """The section: one per machine class and per setting the library is paired with."""
     against = results.get("against", "onnxruntime")
-    name = {"onnxruntime": HEADING, "split": f"{HEADING}, routed against split"}.get(
+    name = {"onnxruntime": HEADING, "split": f"{HEADING}, routed against split",
+            ROUTED: f"{HEADING}, Chat's text decoder against the routed one"}.get(
         against, f"{HEADING}, the library against {against}")
     return per_machine_class(name)(results)
 

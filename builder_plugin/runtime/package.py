@@ -26,7 +26,7 @@ from typing import Any
 
 import onnxruntime_genai as og
 
-from builder_plugin.layout import GENAI_CONFIG_FILE, mode_of
+from builder_plugin.layout import GENAI_CONFIG_FILE, Component, mode_of
 from builder_plugin.media import Media
 from builder_plugin.runtime import kernel_library
 from builder_plugin.runtime.conversation import AnswerMemory, Markers
@@ -167,6 +167,10 @@ class LoadedModel:
                 self._compiled.popitem(last=False)
 
 
+# The sessions a text-only decoder's og.Model loads and never runs
+MEDIA_SECTIONS = (Component.VISION.value, Component.SPEECH.value)
+
+
 class Package:
     """A package folder opened for running (raises PackageError for what cannot be run)."""
 
@@ -204,9 +208,9 @@ class Package:
             raise PackageError(f"cannot read the decoder's shape in {config_path}: {exc}") from exc
         # the project's MatMulNBits kernel, where it helps (runtime/kernel_library.py; kernels False: never)
         self.kernel_library = kernel_library.for_package(self.manifest.builder, execution_provider, kernels)
+        self._session_options = kernel_library.session_options(self.kernel_library)
         try:
-            self.thread_overlay = thread_overlay(self.genai_config, threads,
-                                                 kernel_library.session_options(self.kernel_library))
+            self.thread_overlay = thread_overlay(self.genai_config, threads, self._session_options)
         except ValueError as exc:
             raise PackageError(str(exc)) from exc
         if max_length is not None and not 0 < max_length <= self.context_length:
@@ -259,10 +263,13 @@ class Package:
             return self._models[variant]
 
     def _load(self, variant: str) -> LoadedModel:
+        media = {self.variant_for(*mode) for mode in ((True, False), (False, True))}
+        sections = self.thread_overlay if variant in media else \
+            thread_overlay(self.genai_config, self.threads, self._session_options, unused=MEDIA_SECTIONS)
         try:
             config = og.Config(str(self.dir.absolute()))  # the library loads with its own folder as the cwd
             overlay: dict[str, Any] = {"search": {"max_length": self.max_length},
-                                       "model": json.loads(json.dumps(self.thread_overlay))}
+                                       "model": json.loads(json.dumps(sections))}
             if variant != self.main_decoder:
                 overlay["model"].setdefault("decoder", {})["filename"] = variant
             config.overlay(json.dumps(overlay))

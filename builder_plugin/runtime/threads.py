@@ -16,12 +16,15 @@
   the ``session_options`` of every other section with a fresh object: the embedding, vision and speech sections of
   the overlay therefore repeat the package's own options (``session.disable_prepacking`` and the providers) in full.
   A section without its own options follows the decoder's, as in the package.
+- A model that never runs some of its sessions (a text-only decoder's og.Model, which onnxruntime-genai loads with the
+  vision and speech sessions all the same) gives those sessions ``session.disable_prepacking``: nothing they would
+  prepack is ever read (the speech model's float audio projections: a 98 MB copy at full size).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from builder_plugin.cpus import available_cores
@@ -30,6 +33,7 @@ from builder_plugin.layout import Component
 THREADS_KEY = "intra_op_num_threads"
 SPINNING_KEY = "session.intra_op.allow_spinning"
 NO_SPINNING = "0"
+PREPACKING_KEY = "session.disable_prepacking"
 # Sections the runtime creates sessions for; the decoder's session_options are the others' fallback.
 SESSION_SECTIONS = (Component.DECODER.value, Component.EMBEDDING.value, Component.VISION.value,
                     Component.SPEECH.value)
@@ -46,17 +50,21 @@ def default_threads() -> int:
 
 
 def thread_overlay(genai_config: Mapping[str, Any], threads: int | None = None,
-                   extra: Mapping[str, str] | None = None) -> dict[str, Any]:
+                   extra: Mapping[str, str] | None = None, unused: Collection[str] = ()) -> dict[str, Any]:
     """The ``model`` part of an og.Config overlay giving every session `threads` intra-op threads (None:
-    `default_threads()`, except where the package itself sets a count), no spinning, and the `extra` options."""
+    `default_threads()`, except where the package itself sets a count), no spinning, and the `extra` options; the
+    sessions of the `unused` sections (never run by the model) also no prepacking."""
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads must be a positive integer, not {threads!r}")
     count = default_threads() if threads is None else threads
     model = genai_config.get("model", {})
     overlay: dict[str, Any] = {}
+    decoder_own = (model.get(Component.DECODER.value) or {}).get("session_options")
     for section in SESSION_SECTIONS:
         own = (model.get(section) or {}).get("session_options")
-        if own is None and section != Component.DECODER.value:
+        if section in unused and section in model:
+            own = {**(own if own is not None else decoder_own or {}), PREPACKING_KEY: "1"}
+        elif own is None and section != Component.DECODER.value:
             continue  # runs with the decoder's options
         own = dict(own or {})
         chosen = {} if threads is None and THREADS_KEY in own else {THREADS_KEY: count}  # a package's count is kept

@@ -11,8 +11,9 @@ from pathlib import Path
 import onnxruntime_genai as og
 import pytest
 
+from builder_plugin import kernels
 from builder_plugin.build import build
-from builder_plugin.layout import GENAI_CONFIG_FILE
+from builder_plugin.layout import GENAI_CONFIG_FILE, MAIN_DECODER, SPLIT_DECODERS
 from builder_plugin.options import BuildOptions
 from builder_plugin.runtime import Chat, PackageError
 from builder_plugin.runtime.threads import SESSION_SECTIONS
@@ -82,6 +83,19 @@ def test_every_session_gets_the_threads_and_keeps_its_own_options(float_encoders
     assert [(name, count) for name, count, _ in found] == [
         ("vision", expected), ("speech", expected), ("decoder", expected), ("decoder", expected)]
     assert [PREPACKING_OFF in entries for _, _, entries in found] == [True, True, False, False]
+
+
+@pytest.mark.skipif(kernels.level() == "none", reason="text has a decoder of its own where the library runs")
+def test_a_text_decoders_media_sessions_skip_prepacking(tiny_int4_package, tmp_path, capfd):
+    """The text decoder's og.Model loads the vision and speech sessions all the same and never runs them: those skip
+    prepacking (nothing they would prepack is read); the routed decoder's sessions keep it."""
+    package, _ = traced_copy(tiny_int4_package, tmp_path / "traced")
+    chat = Chat(package)
+    capfd.readouterr()
+    chat.load(SPLIT_DECODERS["text"])
+    assert [PREPACKING_OFF in entries for _, _, entries in sessions(capfd)] == [True, True, False, False]
+    chat.load(MAIN_DECODER)
+    assert [PREPACKING_OFF in entries for _, _, entries in sessions(capfd)] == [False] * 4
 
 
 def test_a_plain_overlay_would_drop_an_encoder_sections_options(float_encoders_package, tmp_path, capfd):

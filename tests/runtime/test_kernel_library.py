@@ -96,6 +96,34 @@ def test_text_is_answered_by_the_text_decoder_where_the_library_runs(tiny_int4_p
 
 
 @NEEDS_LIBRARY
+def test_a_conversation_on_the_text_decoder_answers_as_on_the_routed_one(tiny_int4_package, media_dir):
+    """Text turns kept and followed up past the LongRoPE switch, then an image (which moves the conversation to the
+    routed decoder), then text again: the same tokens and logits as the routed decoder answering every turn (which
+    verify checks against the checkpoint)."""
+    turns = [("Tell me a story about a lighthouse keeper and the ships she counted in the storm.", []),
+             ("And then what happened next, in more detail please?", []),
+             ("Continue the story for a while longer, with the colour of the sea.", []),
+             ("What is in this picture?", [media_dir / "square.png"]), ("Say more about it.", [])]
+    answers = {}
+    for routed in (False, True):
+        package = Package(tiny_int4_package)
+        if routed:
+            package.variant_for = lambda has_image, has_audio, p=package: p.main_decoder
+        chat = Chat(package)
+        chat.keep_logits = True
+        answers[routed] = []
+        for text, images in turns:
+            answer = "".join(chat.ask(text, images, max_new_tokens=40))
+            answers[routed].append((chat.last_stats.variant, answer, np.stack(chat.last_logits),
+                                    chat.last_stats.recomputed))
+    assert [a[0] for a in answers[False]] == [SPLIT_DECODERS["text"]] * 3 + [MAIN_DECODER] * 2
+    assert any(a[3] for a in answers[False][:3])  # the text decoder crossed the LongRoPE switch
+    for (_, text, logits, _), (_, want_text, want, _) in zip(answers[False], answers[True]):
+        assert text == want_text
+        np.testing.assert_array_equal(logits, want)
+
+
+@NEEDS_LIBRARY
 def test_a_package_named_by_a_relative_path_loads(tiny_int4_package, monkeypatch):
     """The model is created with the library's folder as the current directory (kernel_library.loading): a package
     named relative to the caller's folder loads all the same."""

@@ -1,9 +1,10 @@
 """The library's GroupQueryAttention (a decoder prompt's attention in bf16: AMX tiles, or AVX-512 BF16) through
 onnxruntime, as onnxruntime-genai runs it (past and present sharing one cache buffer): a first prompt and a follow-up
 prompt against a float64 numpy reference (rotary embedding, causal, several query heads per K/V head) within the bound
-bf16 operands allow, and the cache it writes against the same reference; every other form (a decode step, a few
-tokens, a cache not shared, the routing's mode record without rotary) answers exactly as onnxruntime's own kernel,
-which the library runs for them. Where the CPU lacks bf16 the library does not register it."""
+bf16 operands allow, and the cache it writes against the same reference; a decode step or a few tokens in float,
+against the same reference within float32 rounding; every other form (a cache not shared, the routing's mode record
+without rotary) answers exactly as onnxruntime's own kernel, which the library runs for them. Where the CPU lacks
+bf16 the library does not register it."""
 
 from __future__ import annotations
 
@@ -165,28 +166,39 @@ def test_prompts_within_the_bf16_bound(tmp_path, heads, kv_heads, head_dim, rota
     np.testing.assert_array_equal(cached_values, values)
 
 
+# (heads, kv_heads, head_dim, rotary_dim): Phi-4-mini's; three query heads per K/V head; one per K/V head (onnxruntime
+# takes head dims that are multiples of 16)
+DECODE_SHAPES = [(24, 8, 128, 96), (6, 2, 64, 64), (4, 4, 96, 64)]
+
+
+@pytest.mark.parametrize("shape", DECODE_SHAPES)
 @pytest.mark.parametrize("lengths", [[3, 1, 5, 1, 15], [20, 1, 1, 5, 30, 1]])
-def test_decode_steps_and_short_prompts_answer_as_onnxruntime(tmp_path, lengths):
-    """Fewer than 16 new tokens (a decode step, a few speculative ones) run onnxruntime's own kernel: after short
-    prompts only, the same bits; after a prompt the tiles ran, the same up to the float rounding of the cache's rotated
-    keys (the library rotates them itself)."""
-    heads, kv_heads, head_dim = 6, 2, 64
-    path = write_graph(tmp_path / "g.onnx", heads, kv_heads, head_dim)
-    cos, sin = rope(head_dim)
+def test_decode_steps_and_short_prompts_in_float(tmp_path, lengths, shape):
+    """Fewer than 16 new tokens (a decode step, a few speculative ones) run the library's float path where it registers
+    (else onnxruntime's kernel, the same bits): against the float64 reference within float32 rounding, and as close
+    to onnxruntime's own kernel; the keys it rotates into the cache as the reference's."""
+    heads, kv_heads, head_dim, rotary_dim = shape
+    path = write_graph(tmp_path / "g.onnx", heads, kv_heads, head_dim, rotary_dim=rotary_dim)
+    cos, sin = rope(rotary_dim)
     rng = np.random.default_rng(len(lengths))
     queries = [rng.standard_normal((1, n, (heads + 2 * kv_heads) * head_dim)).astype(np.float32) for n in lengths]
-    answers = {}
+    answers, caches = {}, {}
     for library in (True, False):
         cache = SharedCache(kv_heads, 128, head_dim)
         sess = session(path, library)
         answers[library] = [cache.step(sess, {"query": q, "cos": cos, "sin": sin}) for q in queries]
-    tiles_ran = False
-    for n, mine, theirs in zip(lengths, answers[True], answers[False]):
-        tiles_ran = tiles_ran or (n >= 16 and REGISTERED)
-        if n < 16 and not tiles_ran:
+        caches[library] = cache.keys()
+    expected, (keys, values) = reference(queries, heads, kv_heads, head_dim, rotary_dim)
+    for n, mine, theirs, (want, _) in zip(lengths, answers[True], answers[False], expected):
+        if n >= 16:
+            continue  # the bf16 paths: test_prompts_within_the_bf16_bound
+        if not REGISTERED:
             np.testing.assert_array_equal(mine, theirs)
-        elif n < 16:
-            np.testing.assert_allclose(mine, theirs, rtol=1e-4, atol=1e-5)
+            continue
+        np.testing.assert_allclose(mine[0], want, rtol=1e-5, atol=2e-6)
+        np.testing.assert_allclose(mine, theirs, rtol=1e-4, atol=2e-6)
+    np.testing.assert_allclose(caches[True][0], keys, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(caches[True][1], values)
 
 
 def test_a_cache_not_shared_answers_as_onnxruntime(tmp_path):
@@ -231,7 +243,7 @@ def test_the_trace_names_the_paths(tmp_path, capfd, monkeypatch):
     if not REGISTERED:
         assert "GroupQueryAttention" not in err
         return
-    assert (f"GroupQueryAttention gqa num_heads=4 kv_num_heads=2: {ATTENTION} path for prompts, onnxruntime's kernel "
+    assert (f"GroupQueryAttention gqa num_heads=4 kv_num_heads=2: {ATTENTION} path for prompts, the float path "
             "for fewer than 16 tokens") in err
     assert "GroupQueryAttention gqa num_heads=4 kv_num_heads=4: onnxruntime's kernel" in err
     assert f"GroupQueryAttention gqa: a prompt of 20 new tokens on the {ATTENTION} path" in err

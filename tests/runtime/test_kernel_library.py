@@ -18,7 +18,6 @@ from builder_plugin.runtime import Chat, Package
 from builder_plugin.runtime.kernel_library import SWITCH, for_package
 
 CPU_INT4 = {"options": {"precision": "int4", "execution_provider": "cpu", "extra_options": {}}}
-TEXT_ATOL = 1e-4  # the same integer sums, scaled and added in another order
 NEEDS_LIBRARY = pytest.mark.skipif(kernels.level() == "none", reason="the library has no fast path on this CPU")
 
 
@@ -51,9 +50,9 @@ def test_which_packages_run_on_the_library(monkeypatch):
 
 @NEEDS_LIBRARY
 def test_a_package_answers_as_with_onnxruntimes_kernel(tiny_int4_package, tiny_package, media_dir):
-    """Text: the decoder's one-row products are the same integer sums, so the same logits. An image: the encoder's
-    many-row products round activations on other paths than onnxruntime's, and the logits are as far from the float
-    package's (the unquantized yardstick) as onnxruntime's own."""
+    """The logits are as far from the float package's (the unquantized yardstick) as onnxruntime's own: for text, the
+    attention sums in another order (the library's float path for a short prompt), which moves an int8-quantized
+    activation by a step here and there; for an image also the encoder's many-row products, rounded on other paths."""
     files = {p.name: p.read_bytes() for p in tiny_int4_package.iterdir()}
     before = os.getcwd()
     logits: dict[tuple, list[np.ndarray]] = {}
@@ -65,9 +64,9 @@ def test_a_package_answers_as_with_onnxruntimes_kernel(tiny_int4_package, tiny_p
             chat.clear()
             list(chat.ask("Describe what you get.", images, max_new_tokens=1))
             logits[wanted, mode] = chat.last_logits[0]
-    assert np.abs(logits[True, "text"] - logits[False, "text"]).max() < TEXT_ATOL
-    library, onnxruntime = (float(np.abs(logits[w, "image"] - logits[None, "image"]).mean()) for w in (True, False))
-    assert library < 1.1 * onnxruntime
+    for mode in ("text", "image"):
+        library, onnxruntime = (float(np.abs(logits[w, mode] - logits[None, mode]).mean()) for w in (True, False))
+        assert library < 1.1 * onnxruntime, mode
     assert os.getcwd() == before  # the model was created in the library's folder, and the directory given back
     assert {p.name: p.read_bytes() for p in tiny_int4_package.iterdir()} == files  # nothing written to the package
     assert "custom_ops_library" not in json.loads((tiny_int4_package / "genai_config.json").read_text())["model"][

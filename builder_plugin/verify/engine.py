@@ -14,7 +14,7 @@ import onnxruntime_genai as og
 
 from builder_plugin import kernels
 from builder_plugin.layout import INPUT_IDS, LOGITS
-from builder_plugin.runtime import Chat, og_audios, og_images
+from builder_plugin.runtime import Chat, Package, og_audios, og_images
 from builder_plugin.runtime.errors import first_line
 from builder_plugin.verify.prompts import Case
 
@@ -39,7 +39,7 @@ class PackageRun:
 def matmul_kernel(package: str) -> str:
     """The MatMulNBits kernel the package's sessions run on in this process, as the run-time helper chooses it for any
     app (builder_plugin.runtime.kernel_library): the library with its paths (few rows / many rows), or onnxruntime's."""
-    if Chat(package).package.kernel_library is None:
+    if Package(package).kernel_library is None:
         return "onnxruntime's own kernel"
     return f"the builder_plugin library ({kernels.paths()})"
 
@@ -48,11 +48,11 @@ def assignments(package: str, cases: Sequence[Case]) -> dict[str, list[int]]:
     """{decoder file: the indices of the cases it runs}: each case on the variant the run-time helper picks for its
     mode, and on a self-routing package also on the routed decoder, which a plain onnxruntime-genai app runs for every
     mode (where the helper answers text with the text decoder, both are checked)."""
-    package_ = Chat(package).package
+    opened = Package(package)
     by_variant: dict[str, list[int]] = {}
     for index, case in enumerate(cases):
-        chosen = package_.variant_for(bool(case.images), bool(case.audios))
-        for variant in dict.fromkeys((chosen, package_.main_decoder) if package_.manifest.routing == "self"
+        chosen = opened.variant_for(bool(case.images), bool(case.audios))
+        for variant in dict.fromkeys((chosen, opened.main_decoder) if opened.manifest.routing == "self"
                                      else (chosen,)):
             by_variant.setdefault(variant, []).append(index)
     return by_variant

@@ -71,6 +71,5 @@ class DecoderPlan:
     def decoders(self) -> dict[str, str]:
         """manifest.json's decoder file per input mode, in INPUT_MODES order: the variant made for that mode, else the
         one that answers every mode."""
-        return {mode: next((v.filename for v in self.variants if v.input_mode == mode),
-                           next((v.filename for v in self.variants if v.input_mode is None), None))
-                for mode in INPUT_MODES}
+        files = {v.input_mode: v.filename for v in self.variants}
+        return {mode: files[mode] if mode in files else files[None] for mode in INPUT_MODES}

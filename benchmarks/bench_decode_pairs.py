@@ -49,11 +49,11 @@ from builder_plugin.kernels import level as library_level
 HEADING = "## Decode in pairs"
 BOOTSTRAP = 2000  # resamples of the rounds for the interval of the median ratio
 IMAGE_SIZE = (448, 448)  # the global view and one crop
-# what the library is paired with: name -> (the library registered, BUILDER_PLUGIN_OPS_WEIGHTS while it loads); split
-# reads the decoders of --split-package, routed the package's routed decoder (ROUTED)
-AGAINST = {"onnxruntime": (False, None), "copy": (True, "copy"), "huge-pages": (True, "huge-pages"),
-           "split": (True, None), "routed": (True, None)}
 ROUTED = "routed"
+# what the library is paired with: name -> (the library registered, BUILDER_PLUGIN_OPS_WEIGHTS while it loads); split
+# reads the decoders of --split-package, ROUTED the package's routed decoder
+AGAINST = {"onnxruntime": (False, None), "copy": (True, "copy"), "huge-pages": (True, "huge-pages"),
+           "split": (True, None), ROUTED: (True, None)}
 LIBRARY = (True, None)  # as it loads by default
 WEIGHTS = "BUILDER_PLUGIN_OPS_WEIGHTS"
 MODES = ("text", "image")

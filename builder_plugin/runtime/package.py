@@ -248,11 +248,17 @@ class Package:
     def is_loaded(self, variant: str) -> bool:
         return variant in self._models
 
+    def decoders_for(self, has_image: bool, has_audio: bool) -> tuple[str, ...]:
+        """The decoder files that may answer a conversation with (or without) images and audio: the one `variant_for`
+        picks, and on a self-routing package the routed one too, which a plain onnxruntime-genai app runs for every
+        mode and the run time for media (one file where they are the same)."""
+        chosen = self.variant_for(has_image, has_audio)
+        return tuple(dict.fromkeys((chosen, self.main_decoder) if self.manifest.routing == "self" else (chosen,)))
+
     def preload(self) -> None:
         """Load the decoders a server's first requests would otherwise wait for: text's, and a self-routing package's
         routed one (media) where text has another."""
-        text = self.variant_for(has_image=False, has_audio=False)
-        for variant in dict.fromkeys((text, self.main_decoder) if self.manifest.routing == "self" else (text,)):
+        for variant in self.decoders_for(has_image=False, has_audio=False):
             self.load(variant)
 
     def load(self, variant: str) -> LoadedModel:

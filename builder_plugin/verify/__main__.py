@@ -103,10 +103,11 @@ def verify(args: argparse.Namespace) -> Report:
     with tempfile.TemporaryDirectory(prefix="verify-media-") as media:
         cases = build_cases(modes, Path(media), args.prompt, args.image, args.audio)
         started = time.perf_counter()
-        steps = sum(map(len, assignments(str(package), cases).values())) * args.max_new_tokens
+        assigned = assignments(str(package), cases)
+        steps = sum(map(len, assigned.values())) * args.max_new_tokens
         with MemorySampler() as package_memory, tqdm(total=steps, desc="package: onnxruntime-genai", leave=False,
                                                       disable=bars_off) as bar:
-            runs = run_package(str(package), cases, args.max_new_tokens, on_step=bar.update)
+            runs = run_package(str(package), cases, args.max_new_tokens, on_step=bar.update, assigned=assigned)
         timings["package"] = time.perf_counter() - started
     peak_gb = {"package": _peak_rss_gb()}
     private_gb = {"package": package_memory.peak_private / 1e9}

@@ -6,7 +6,7 @@ every step."""
 from __future__ import annotations
 
 import gc
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,20 +51,19 @@ def assignments(package: str, cases: Sequence[Case]) -> dict[str, list[int]]:
     opened = Package(package)
     by_variant: dict[str, list[int]] = {}
     for index, case in enumerate(cases):
-        chosen = opened.variant_for(bool(case.images), bool(case.audios))
-        for variant in dict.fromkeys((chosen, opened.main_decoder) if opened.manifest.routing == "self"
-                                     else (chosen,)):
+        for variant in opened.decoders_for(bool(case.images), bool(case.audios)):
             by_variant.setdefault(variant, []).append(index)
     return by_variant
 
 
 def run_package(package: str, cases: Sequence[Case], max_new_tokens: int,
-                on_step: Callable[[], None] = lambda: None) -> list[PackageRun]:
-    """Run every case on the decoders `assignments` gives it; one og.Model is loaded per decoder variant and
-    released before the next variant loads (each model holds its own encoder sessions, so keeping several would add
-    up)."""
+                on_step: Callable[[], None] = lambda: None,
+                assigned: Mapping[str, Sequence[int]] | None = None) -> list[PackageRun]:
+    """Run every case on the decoders `assigned` (default: `assignments`) gives it; one og.Model is loaded per
+    decoder variant and released before the next variant loads (each model holds its own encoder sessions, so
+    keeping several would add up)."""
     runs: list[tuple[int, PackageRun]] = []
-    for variant, indices in assignments(package, cases).items():
+    for variant, indices in (assigned or assignments(package, cases)).items():
         chat = Chat(package)
         model = chat.model(variant)
         processor = model.create_multimodal_processor()

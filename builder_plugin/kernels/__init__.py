@@ -1,8 +1,8 @@
 """The project's onnxruntime operator library: a CPU kernel for com.microsoft MatMulNBits (native/, built from source
 by `pip install`) that reads the package's int4/int8 weights in place (or from a copy of its own:
 BUILDER_PLUGIN_OPS_WEIGHTS) for a few rows (decode steps, AVX-512 VNNI or AVX2) and runs many rows (prompts,
-encoders) on bf16 tiles where the CPU has AMX, on int8 panels where it does not; and the encoders' and the prompts'
-attention in bf16 (AMX tiles, or AVX-512 BF16).
+encoders) on bf16 tiles where the CPU has AMX, on int8 panels where it does not; the encoders' and the prompts'
+attention in bf16 (AMX tiles, or AVX-512 BF16); and a decode step's attention in float (AVX-512 or AVX2).
 
 Registered on a session (onnxruntime's `SessionOptions.register_custom_ops_library`, genai_config's
 `session_options.custom_ops_library`), onnxruntime prefers it to its own kernel for every MatMulNBits of that
@@ -56,6 +56,13 @@ def attention() -> str:
     BUILDER_PLUGIN_OPS_PATH as they are now), as its trace names it: "bf16 AMX", "bf16 AVX-512" (a CPU with AVX-512
     BF16 but no AMX), or "" (onnxruntime's own kernels; also without the library)."""
     return _library_text("BuilderPluginAttentionPath")
+
+
+def step_attention() -> str:
+    """Where the library runs a decode step's attention (GroupQueryAttention with fewer than 16 new tokens) in this
+    process, as its trace names it: "float AVX-512" (a CPU with AVX-512 VNNI), "float AVX2" (or
+    BUILDER_PLUGIN_OPS_PATH=avx2), or "" (it registers nothing here, or was not built)."""
+    return _library_text("BuilderPluginStepAttentionPath")
 
 
 def _library_text(symbol: str) -> str:

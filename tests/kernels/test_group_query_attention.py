@@ -1,10 +1,10 @@
-"""The library's GroupQueryAttention (a decoder prompt's attention in bf16: AMX tiles, or AVX-512 BF16) through
-onnxruntime, as onnxruntime-genai runs it (past and present sharing one cache buffer): a first prompt and a follow-up
-prompt against a float64 numpy reference (rotary embedding, causal, several query heads per K/V head) within the bound
-bf16 operands allow, and the cache it writes against the same reference; a decode step or a few tokens in float,
-against the same reference within float32 rounding; every other form (a cache not shared, the routing's mode record
-without rotary) answers exactly as onnxruntime's own kernel, which the library runs for them. Where the CPU lacks
-bf16 the library does not register it."""
+"""The library's GroupQueryAttention (a decoder prompt's attention in bf16: AMX tiles, or AVX-512 BF16; a decode step's
+in float: AVX-512, or AVX2) through onnxruntime, as onnxruntime-genai runs it (past and present sharing one cache
+buffer): a first prompt and a follow-up prompt against a float64 numpy reference (rotary embedding, causal, several
+query heads per K/V head) within the bound bf16 operands allow, and the cache it writes against the same reference; a
+decode step or a few tokens in float, on each float path this CPU has, against the same reference within float32
+rounding; every other form (a cache not shared, the routing's mode record without rotary, a prompt where the CPU lacks
+bf16) answers exactly as onnxruntime's own kernel, which the library runs for them."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ from builder_plugin import kernels
 
 ATTENTION = kernels.attention()  # "bf16 AMX", "bf16 AVX-512" or "" (onnxruntime's kernel)
 REGISTERED = ATTENTION != ""
+STEP = kernels.step_attention()  # "float AVX-512", "float AVX2" or "" (the library registers nothing here)
+# BUILDER_PLUGIN_OPS_PATH values for each float path of a step this CPU has ("": its own choice)
+STEP_PATHS = {"": STEP, "avx2": "float AVX2" if STEP else ""}
 # BUILDER_PLUGIN_OPS_PATH values that hold the library to int8 paths on this CPU (forcing a path it lacks leaves the
 # default)
 FORCED_INT8 = ["avx512", "panels"] + (["amx"] if kernels.level() in ("amx", "amx_bf16") else [])
@@ -166,17 +169,22 @@ def test_prompts_within_the_bf16_bound(tmp_path, heads, kv_heads, head_dim, rota
     np.testing.assert_array_equal(cached_values, values)
 
 
-# (heads, kv_heads, head_dim, rotary_dim): Phi-4-mini's; three query heads per K/V head; one per K/V head (onnxruntime
-# takes head dims that are multiples of 16)
-DECODE_SHAPES = [(24, 8, 128, 96), (6, 2, 64, 64), (4, 4, 96, 64)]
+# (heads, kv_heads, head_dim, rotary_dim): Phi-4-mini's; three query heads per K/V head; one per K/V head; five (more
+# than the AVX2 path's bundle of four) over an odd number of 16 dims (onnxruntime takes head dims that are multiples
+# of 16)
+DECODE_SHAPES = [(24, 8, 128, 96), (6, 2, 64, 64), (4, 4, 96, 64), (10, 2, 80, 64)]
 
 
+@pytest.mark.parametrize("forced", STEP_PATHS)
 @pytest.mark.parametrize("shape", DECODE_SHAPES)
 @pytest.mark.parametrize("lengths", [[3, 1, 5, 1, 15], [20, 1, 1, 5, 30, 1]])
-def test_decode_steps_and_short_prompts_in_float(tmp_path, lengths, shape):
+def test_decode_steps_and_short_prompts_in_float(tmp_path, monkeypatch, lengths, shape, forced):
     """Fewer than 16 new tokens (a decode step, a few speculative ones) run the library's float path where it registers
     (else onnxruntime's kernel, the same bits): against the float64 reference within float32 rounding, and as close
     to onnxruntime's own kernel; the keys it rotates into the cache as the reference's."""
+    if forced:
+        monkeypatch.setenv("BUILDER_PLUGIN_OPS_PATH", forced)
+    assert kernels.step_attention() == STEP_PATHS[forced]
     heads, kv_heads, head_dim, rotary_dim = shape
     path = write_graph(tmp_path / "g.onnx", heads, kv_heads, head_dim, rotary_dim=rotary_dim)
     cos, sin = rope(rotary_dim)
@@ -192,7 +200,7 @@ def test_decode_steps_and_short_prompts_in_float(tmp_path, lengths, shape):
     for n, mine, theirs, (want, _) in zip(lengths, answers[True], answers[False], expected):
         if n >= 16:
             continue  # the bf16 paths: test_prompts_within_the_bf16_bound
-        if not REGISTERED:
+        if not STEP:
             np.testing.assert_array_equal(mine, theirs)
             continue
         np.testing.assert_allclose(mine[0], want, rtol=1e-5, atol=2e-6)
@@ -230,28 +238,36 @@ def test_the_mode_record_without_rotary_answers_as_onnxruntime(tmp_path):
         np.testing.assert_array_equal(mine, theirs)
 
 
-def test_the_trace_names_the_paths(tmp_path, capfd, monkeypatch):
-    """Each kernel made says which path it may take, and its first prompt which one it took (a form the tiles could
+@pytest.mark.parametrize("forced", STEP_PATHS)
+def test_the_trace_names_the_paths(tmp_path, capfd, monkeypatch, forced):
+    """Each kernel made says which paths it may take, and its first prompt which one it took (a form the tiles could
     run silently left to onnxruntime would show here)."""
     monkeypatch.setenv("BUILDER_PLUGIN_OPS_TRACE", "1")
+    if forced:
+        monkeypatch.setenv("BUILDER_PLUGIN_OPS_PATH", forced)
+    prompts = kernels.attention()
     tiles = session(write_graph(tmp_path / "g.onnx", 4, 2, 64, rotary_dim=48), library=True)
     session(write_graph(tmp_path / "h.onnx", 4, 4, 64, rotary=False, packed=False), library=True)
     cos, sin = rope(48)
     query = np.random.default_rng(8).standard_normal((1, 20, 8 * 64)).astype(np.float32)
     SharedCache(2, 64, 64).step(tiles, {"query": query, "cos": cos, "sin": sin})
     err = capfd.readouterr().err
-    if not REGISTERED:
+    if not STEP:
         assert "GroupQueryAttention" not in err
         return
-    assert (f"GroupQueryAttention gqa num_heads=4 kv_num_heads=2: {ATTENTION} path for prompts, the float path "
-            "for fewer than 16 tokens") in err
+    where = f"the {prompts} path" if prompts else "onnxruntime's kernel"
+    assert (f"GroupQueryAttention gqa num_heads=4 kv_num_heads=2: {where} for prompts, the {STEP_PATHS[forced]} "
+            "path for fewer than 16 tokens") in err
     assert "GroupQueryAttention gqa num_heads=4 kv_num_heads=4: onnxruntime's kernel" in err
-    assert f"GroupQueryAttention gqa: a prompt of 20 new tokens on the {ATTENTION} path" in err
+    if prompts:
+        assert f"GroupQueryAttention gqa: a prompt of 20 new tokens on the {prompts} path" in err
+    else:  # onnxruntime's kernel is the only one prompts have here: nothing to tell
+        assert "a prompt of" not in err
 
 
 @pytest.mark.parametrize("forced", FORCED_INT8)
 def test_a_forced_int8_path_leaves_attention_to_onnxruntime(tmp_path, monkeypatch, forced):
-    """BUILDER_PLUGIN_OPS_PATH=avx512|panels|amx stands for a CPU without bf16: onnxruntime's own kernel,
+    """BUILDER_PLUGIN_OPS_PATH=avx512|panels|amx stands for a CPU without bf16: a prompt runs onnxruntime's own kernel,
     the same bits."""
     heads, kv_heads, head_dim = 4, 2, 64
     path = write_graph(tmp_path / "g.onnx", heads, kv_heads, head_dim)

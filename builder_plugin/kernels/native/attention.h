@@ -37,9 +37,9 @@ constexpr int64_t kMaxAttentionHeadDim = 256;
 // asked for (nothing is written then).
 bool attention_bf16(const Attention& a, bool tiles, ParallelFor run, void* context);
 
-// The same in float on AVX-512 (a few query rows: a decode step reads each key and value row once per K/V head). No
-// key padding or bias. False where the CPU lacks AVX-512 BF16 or AMX bf16, the attention's CPUs (nothing is written
-// then).
-bool attention_float(const Attention& a, ParallelFor run, void* context);
+// The same in float for a few query rows (a decode step reads each key and value row once per K/V head), on AVX-512
+// (`avx512`) or on AVX2 and FMA. No key padding or bias. False where the CPU lacks the one asked for (nothing is
+// written then).
+bool attention_float(const Attention& a, bool avx512, ParallelFor run, void* context);
 
 }  // namespace bp

@@ -28,26 +28,6 @@ constexpr int kStep = 32;
 constexpr int kTileElements = kGroup * kStep;
 constexpr int kPairElements = 2 * kTileElements;
 
-// exp(x) for x <= 0 (scores less their row's maximum): 2^n x a degree-6 polynomial of the remainder (|r| <= ln2 / 2,
-// relative error below 2e-7); below -87 it is 0 (as float's exp, nearly).
-BP_BF16 inline __m512 exp_negative(__m512 x) {
-  const __m512 floor = _mm512_set1_ps(-87.0f);
-  const __mmask16 tiny = _mm512_cmp_ps_mask(x, floor, _CMP_LT_OQ);
-  x = _mm512_max_ps(x, floor);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
-}
-
 struct Shape {
   int64_t dim_steps;   // steps of 32 over head_dim (the scores' depth)
   int64_t dim_pairs;   // pairs of 16 dims (the output's column pairs)
@@ -300,86 +280,7 @@ BP_BF16 void run_kv_head(void* data, size_t index) {
   if (job.tiles) _tile_release();
 }
 
-// The float path of a few query rows (a decode step): one task per batch row and K/V head. Per query row, the scores
-// of the group's heads read each key once (dot products in float), a float softmax per head, then P V with each
-// value row read once, the group's sums kept in a small buffer. Float throughout: decode steps answer as onnxruntime's
-// float kernel does, up to the order of the sums.
-BP_BF16 void run_kv_head_float(void* data, size_t index) {
-  const Attention& a = *static_cast<const Attention*>(data);
-  const int64_t b = static_cast<int64_t>(index) / a.kv_heads, g = static_cast<int64_t>(index) % a.kv_heads;
-  const int64_t group = a.heads / a.kv_heads, d = a.head_dim, vectors = (d + 15) / 16;
-  const int64_t keys_stride = (a.kv_len + 15) / 16 * 16;
-  const __mmask16 tail = first_lanes(d - (vectors - 1) * 16);
-  thread_local std::vector<float> scratch;
-  scratch.resize(static_cast<size_t>(group * (keys_stride + vectors * 16)));
-  float* scores = scratch.data();                   // [group][keys_stride]
-  float* sums = scores + group * keys_stride;       // [group][vectors x 16]
-  const float* k = a.k + b * a.kv_batch_stride + g * a.kv_head_stride;
-  const float* v = a.v + b * a.kv_batch_stride + g * a.kv_head_stride;
-  for (int64_t r = 0; r < a.q_len; ++r) {
-    const int64_t visible = a.causal_past >= 0 ? std::min(a.kv_len, a.causal_past + r + 1) : a.kv_len;
-    const float* q = a.q + (b * a.q_len + r) * a.q_row_stride + g * group * d;  // the group's heads, side by side
-    for (int64_t t = 0; t < visible; ++t) {
-      const float* key = k + t * a.kv_row_stride;
-      for (int64_t h = 0; h < group; ++h) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t j = 0; j < vectors; ++j) {
-          const __mmask16 m = j + 1 < vectors ? static_cast<__mmask16>(0xFFFF) : tail;
-          acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + h * d + 16 * j), _mm512_maskz_loadu_ps(m, key + 16 * j),
-                                acc);
-        }
-        scores[h * keys_stride + t] = _mm512_reduce_add_ps(acc) * a.scale;
-      }
-    }
-    for (int64_t h = 0; h < group; ++h) {
-      float* row = scores + h * keys_stride;
-      __m512 peak = _mm512_set1_ps(-INFINITY);
-      for (int64_t t = 0; t < visible; t += 16)
-        peak = _mm512_max_ps(peak, _mm512_mask_loadu_ps(peak, first_lanes(visible - t), row + t));
-      const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(peak));
-      __m512 total = _mm512_setzero_ps();
-      for (int64_t t = 0; t < visible; t += 16) {
-        const __mmask16 m = first_lanes(visible - t);
-        const __m512 e = _mm512_maskz_mov_ps(m, exp_negative(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + t), top)));
-        _mm512_mask_storeu_ps(row + t, m, e);
-        total = _mm512_add_ps(total, e);
-      }
-      const float inverse = 1.0f / _mm512_reduce_add_ps(total);
-      for (int64_t t = 0; t < visible; t += 16) {
-        const __mmask16 m = first_lanes(visible - t);
-        _mm512_mask_storeu_ps(row + t, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + t), _mm512_set1_ps(inverse)));
-      }
-    }
-    std::fill(sums, sums + group * vectors * 16, 0.0f);
-    for (int64_t t = 0; t < visible; ++t) {
-      const float* value = v + t * a.kv_row_stride;
-      for (int64_t j = 0; j < vectors; ++j) {
-        const __mmask16 m = j + 1 < vectors ? static_cast<__mmask16>(0xFFFF) : tail;
-        const __m512 x = _mm512_maskz_loadu_ps(m, value + 16 * j);
-        for (int64_t h = 0; h < group; ++h) {
-          float* at = sums + (h * vectors + j) * 16;
-          _mm512_storeu_ps(at, _mm512_fmadd_ps(_mm512_set1_ps(scores[h * keys_stride + t]), x, _mm512_loadu_ps(at)));
-        }
-      }
-    }
-    float* out = a.out + (b * a.q_len + r) * a.heads * d + g * group * d;
-    for (int64_t h = 0; h < group; ++h)
-      for (int64_t j = 0; j < vectors; ++j) {
-        const __mmask16 m = j + 1 < vectors ? static_cast<__mmask16>(0xFFFF) : tail;
-        _mm512_mask_storeu_ps(out + h * d + 16 * j, m, _mm512_loadu_ps(sums + (h * vectors + j) * 16));
-      }
-  }
-}
-
 }  // namespace
-
-bool attention_float(const Attention& a, ParallelFor run, void* context) {
-  if (!(cpu().avx512_bf16 || cpu().amx_bf16) || a.head_dim < 1 || a.kv_heads < 1 || a.heads % a.kv_heads ||
-      a.key_padding || a.bias)
-    return false;
-  run(context, run_kv_head_float, static_cast<size_t>(a.batch * a.kv_heads), const_cast<Attention*>(&a));
-  return true;
-}
 
 bool attention_bf16(const Attention& a, bool tiles, ParallelFor run, void* context) {
   const bool cpu_has = tiles ? cpu().amx_bf16 : cpu().avx512_bf16;
@@ -401,7 +302,6 @@ bool attention_bf16(const Attention& a, bool tiles, ParallelFor run, void* conte
 
 namespace bp {
 bool attention_bf16(const Attention&, bool, ParallelFor, void*) { return false; }
-bool attention_float(const Attention&, ParallelFor, void*) { return false; }
 }  // namespace bp
 
 #endif

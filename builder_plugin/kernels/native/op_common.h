@@ -53,9 +53,16 @@ enum class AttentionPath { kNone, kAvx512Bf16, kAmx };
 AttentionPath attention_path();
 const char* attention_path_name(AttentionPath path);
 
+// Where a decode step's attention (GroupQueryAttention with fewer than 16 new tokens) runs, in float: on AVX-512 (a
+// CPU with AVX-512 VNNI, unless BUILDER_PLUGIN_OPS_PATH=avx2), else on AVX2 and FMA, which every CPU the library
+// registers on has. Its name for the trace: "float AVX-512" or "float AVX2".
+enum class StepPath { kAvx512, kAvx2 };
+StepPath step_path();
+const char* step_path_name(StepPath path);
+
 // The com.microsoft MultiHeadAttention kernel of the encoders (op_attention.cc).
 const OrtCustomOp& multi_head_attention();
-// The com.microsoft GroupQueryAttention kernel of the decoders' prompts (op_group_query_attention.cc).
+// The com.microsoft GroupQueryAttention kernel of the decoders: their prompts and steps (op_group_query_attention.cc).
 const OrtCustomOp& group_query_attention();
 
 }  // namespace bp::op

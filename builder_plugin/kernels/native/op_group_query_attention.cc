@@ -1,8 +1,9 @@
-// com.microsoft GroupQueryAttention, registered on CPUs with AMX bf16 or AVX-512 BF16: a prompt's attention (16 or
-// more new tokens) on attention.h's bf16 paths, a decode step (fewer new tokens) in float on AVX-512, every other form
-// through onnxruntime's own kernel, run from here (CreateOp / InvokeOp), so that the routing's mode record and any form
-// the library does not take answer exactly as without it. onnxruntime's kernel took 0.4 ms a layer for a decode step
-// past a 512-token prompt at full size (2 cores), about three times the time of reading the layer's cache.
+// com.microsoft GroupQueryAttention: a prompt's attention (16 or more new tokens) on attention.h's bf16 paths where the
+// CPU has AMX bf16 or AVX-512 BF16, a decode step (fewer new tokens) in float on AVX-512 or AVX2 on every CPU the
+// library registers on, every other form (and prompts elsewhere) through onnxruntime's own kernel, run from here
+// (CreateOp / InvokeOp), so that the routing's mode record and any form the library does not take answer exactly as
+// without it. onnxruntime's kernel took 0.4 ms a layer for a decode step past a 512-token prompt at full size (2
+// cores), about three times the time of reading the layer's cache.
 //
 // The library's paths take the form the builder's decoders and onnxruntime-genai give it: batch 1, Q, K and V packed in
 // the query, rotary embedding from the cos/sin caches (not interleaved; over the first 2 x their width of each head,
@@ -50,8 +51,10 @@ struct Kernel {
   float scale = 0.0f, softcap = 0.0f;
   size_t inputs = 0, outputs = 0;
   OrtOp* native = nullptr;  // onnxruntime's kernel for this node
-  bool tiles = false;       // the node's attributes allow the prompt path
-  AttentionPath path = AttentionPath::kNone;  // where it runs, as the session found it when it made the kernel
+  bool form = false;        // the node's attributes allow the library's paths
+  // where prompts and steps run, as the session found it when it made the kernel (prompts: kNone, onnxruntime's)
+  AttentionPath path = AttentionPath::kNone;
+  StepPath step = StepPath::kAvx2;
   // BUILDER_PLUGIN_OPS_TRACE: a line at the first prompt on the tiles, and at the first one left to onnxruntime
   mutable std::atomic<bool> told_tiles{false}, told_native{false};
 };
@@ -119,17 +122,21 @@ OrtStatus* create(const OrtCustomOp*, const OrtApi* table, const OrtKernelInfo* 
     return status;
   }
   kernel->path = attention_path();
-  kernel->tiles = kernel->path != AttentionPath::kNone && kernel->heads > 0 && kernel->kv_heads > 0 &&
-                  kernel->heads % kernel->kv_heads == 0 &&
-                  kernel->do_rotary == 1 && kernel->interleaved == 0 && kernel->local_window < 0 &&
-                  kernel->smooth_softmax == 0 && kernel->softcap == 0.0f;
-  if (trace())
+  kernel->step = step_path();
+  kernel->form = kernel->heads > 0 && kernel->kv_heads > 0 && kernel->heads % kernel->kv_heads == 0 &&
+                 kernel->do_rotary == 1 && kernel->interleaved == 0 && kernel->local_window < 0 &&
+                 kernel->smooth_softmax == 0 && kernel->softcap == 0.0f;
+  if (trace()) {
+    const std::string prompts = kernel->path != AttentionPath::kNone
+                                    ? std::string("the ") + attention_path_name(kernel->path) + " path"
+                                    : std::string("onnxruntime's kernel");
     std::fprintf(stderr, "%s: GroupQueryAttention %s num_heads=%lld kv_num_heads=%lld: %s\n", kLibrary,
                  kernel->name.c_str(), static_cast<long long>(kernel->heads),
                  static_cast<long long>(kernel->kv_heads),
-                 kernel->tiles ? (std::string(attention_path_name(kernel->path)) +
-                                  " path for prompts, the float path for fewer than 16 tokens").c_str()
-                               : "onnxruntime's kernel");
+                 kernel->form ? (prompts + " for prompts, the " + step_path_name(kernel->step) +
+                                 " path for fewer than 16 tokens").c_str()
+                              : "onnxruntime's kernel");
+  }
   *out = kernel;
   return nullptr;
 }
@@ -222,26 +229,29 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* context) {
   if (OrtStatus* status = input_dims(api, context, kPastKey, past)) return status;
   if (OrtStatus* status = input_dims(api, context, kCosCache, cos)) return status;
   if (OrtStatus* status = input_dims(api, context, kSeqlensK, seqlens)) return status;
-  bool tiles = kernel.tiles && query.size() == 3 && query[0] == 1 && query[1] >= 1 && past.size() == 4 &&
-               past[0] == 1 && past[1] == kernel.kv_heads && cos.size() == 2 && seqlens.size() == 1 &&
-               inputs[kKey] == nullptr && inputs[kValue] == nullptr && inputs[kPositionIds] == nullptr &&
-               inputs[kAttentionBias] == nullptr && inputs[kHeadSink] == nullptr;
+  const int64_t new_tokens = query.size() == 3 ? query[1] : 0;
+  const bool many = new_tokens >= kFromTokens;  // a prompt: the bf16 paths; else the float path
+  // a form the library's paths take: a prompt where the CPU has bf16, a step anywhere
+  bool ours = kernel.form && (!many || kernel.path != AttentionPath::kNone) && query.size() == 3 && query[0] == 1 &&
+              query[1] >= 1 && past.size() == 4 && past[0] == 1 && past[1] == kernel.kv_heads && cos.size() == 2 &&
+              seqlens.size() == 1 && inputs[kKey] == nullptr && inputs[kValue] == nullptr &&
+              inputs[kPositionIds] == nullptr && inputs[kAttentionBias] == nullptr && inputs[kHeadSink] == nullptr;
   const int64_t head_dim = query.size() == 3 ? query[2] / (kernel.heads + 2 * kernel.kv_heads) : 0;
-  tiles = tiles && head_dim > 0 && head_dim <= kMaxAttentionHeadDim &&
-          query[2] == (kernel.heads + 2 * kernel.kv_heads) * head_dim &&
-          past[3] == head_dim && cos[1] > 0 && cos[1] % 8 == 0 && cos[1] * 2 <= head_dim;
-  int64_t total = 0, tokens = tiles ? query[1] : 0;
-  if (tiles) {
+  ours = ours && head_dim > 0 && head_dim <= kMaxAttentionHeadDim &&
+         query[2] == (kernel.heads + 2 * kernel.kv_heads) * head_dim &&
+         past[3] == head_dim && cos[1] > 0 && cos[1] % 8 == 0 && cos[1] * 2 <= head_dim;
+  int64_t total = 0, tokens = ours ? query[1] : 0;
+  if (ours) {
     const auto* seqlens_k = static_cast<const int32_t*>(input_data(api, context, kSeqlensK));
     const auto* total_length = static_cast<const int32_t*>(input_data(api, context, kTotalSequenceLength));
     total = total_length ? *total_length : 0;
-    tiles = seqlens_k != nullptr && seqlens_k[0] + 1 == total && total >= tokens && total <= cos[0] &&
-            total <= past[2];
+    ours = seqlens_k != nullptr && seqlens_k[0] + 1 == total && total >= tokens && total <= cos[0] &&
+           total <= past[2];
   }
-  const int64_t new_tokens = query.size() == 3 ? query[1] : 0;
-  if (!tiles) {
-    if (kernel.tiles && new_tokens >= kFromTokens)
-      tell(kernel, kernel.told_native, new_tokens, "through onnxruntime's kernel");
+  // a prompt the bf16 paths could take but do not (a form they cannot run: the trace says so)
+  const bool missed = kernel.form && kernel.path != AttentionPath::kNone && many;
+  if (!ours) {
+    if (missed) tell(kernel, kernel.told_native, new_tokens, "through onnxruntime's kernel");
     return native(outputs);
   }
   void *out = nullptr, *key = nullptr, *value = nullptr;
@@ -250,10 +260,9 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* context) {
   if (outputs[kPresentValue]) api.GetTensorMutableData(outputs[kPresentValue], &value);
   if (out == nullptr || key == nullptr || key != input_data(api, context, kPastKey) || value == nullptr ||
       value != input_data(api, context, kPastValue)) {  // present apart from past: onnxruntime's kernel
-    if (new_tokens >= kFromTokens) tell(kernel, kernel.told_native, new_tokens, "through onnxruntime's kernel");
+    if (missed) tell(kernel, kernel.told_native, new_tokens, "through onnxruntime's kernel");
     return native(outputs);
   }
-  const bool many = tokens >= kFromTokens;  // a prompt: the bf16 paths; else the float path
   if (many)
     tell(kernel, kernel.told_tiles, new_tokens, kernel.path == AttentionPath::kAmx ? "on the bf16 AMX path"
                                                                                    : "on the bf16 AVX-512 path");
@@ -285,7 +294,7 @@ OrtStatus* compute(void* op_kernel, OrtKernelContext* context) {
   a.scale = kernel.scale != 0.0f ? kernel.scale : 1.0f / std::sqrt(static_cast<float>(head_dim));
   a.out = static_cast<float*>(out);
   if (!many) {
-    if (!attention_float(a, parallel_for, &ctx))
+    if (!attention_float(a, kernel.step == StepPath::kAvx512, parallel_for, &ctx))
       return api.CreateStatus(ORT_FAIL, ("GroupQueryAttention " + kernel.name + ": no float path on this CPU").c_str());
     return nullptr;
   }

@@ -92,6 +92,14 @@ const char* bp::op::attention_path_name(AttentionPath path) {
   return path == AttentionPath::kAmx ? "bf16 AMX" : path == AttentionPath::kAvx512Bf16 ? "bf16 AVX-512" : "";
 }
 
+StepPath bp::op::step_path() {
+  return bp::cpu().avx512_vnni && forced_setting().path != Path::kAvx2Panels ? StepPath::kAvx512 : StepPath::kAvx2;
+}
+
+const char* bp::op::step_path_name(StepPath path) {
+  return path == StepPath::kAvx512 ? "float AVX-512" : "float AVX2";
+}
+
 namespace {
 
 // A CPU with AVX2 and FMA but no AVX-512 VNNI (or =avx2): few rows in place from blocks of 32 (matmul_int8_avx2's
@@ -253,11 +261,11 @@ __attribute__((visibility("default"))) OrtStatus* RegisterCustomOps(OrtSessionOp
     domains.push_back(domain);
   }
   if (OrtStatus* status = api.CustomOpDomain_Add(domain, &kMatMulNBits)) return status;
-  // the encoders' and the prompts' attention in bf16 where the CPU has it (elsewhere onnxruntime's own)
-  if (attention_path() != AttentionPath::kNone) {
+  // the encoders' and the prompts' attention in bf16 where the CPU has it (elsewhere onnxruntime's own); decode
+  // steps' attention in float on every CPU the library registers on
+  if (attention_path() != AttentionPath::kNone)
     if (OrtStatus* status = api.CustomOpDomain_Add(domain, &multi_head_attention())) return status;
-    if (OrtStatus* status = api.CustomOpDomain_Add(domain, &group_query_attention())) return status;
-  }
+  if (OrtStatus* status = api.CustomOpDomain_Add(domain, &group_query_attention())) return status;
   return api.AddCustomOpDomain(options, domain);
 }
 
@@ -298,6 +306,12 @@ __attribute__((visibility("default"))) const char* BuilderPluginOpsCheckApi(cons
 // "bf16 AVX-512", or "" (onnxruntime's own kernels).
 __attribute__((visibility("default"))) const char* BuilderPluginAttentionPath() {
   return attention_path_name(attention_path());
+}
+
+// Where the library runs a decode step's attention in this process: "float AVX-512", "float AVX2", or "" (it
+// registers nothing on this CPU).
+__attribute__((visibility("default"))) const char* BuilderPluginStepAttentionPath() {
+  return bp::cpu().avx2 ? step_path_name(step_path()) : "";
 }
 
 // What the library would do on this CPU, for the Python side and the tests: 0 registers nothing, 1 the AVX2 paths,

@@ -21,6 +21,9 @@
 namespace bp {
 namespace {
 
+// Keys ahead of the loads that the key and value rows are prefetched (the cache is cold after a step's weights).
+constexpr int64_t kAhead = 8;
+
 // Query row r's causal reach: the keys it sees.
 int64_t visible_keys(const Attention& a, int64_t r) {
   return a.causal_past >= 0 ? std::min(a.kv_len, a.causal_past + r + 1) : a.kv_len;
@@ -45,6 +48,9 @@ BP_AVX512_FLOAT void run_kv_head_avx512(void* data, size_t index) {
     const float* q = a.q + (b * a.q_len + r) * a.q_row_stride + g * group * d;  // the group's heads, side by side
     for (int64_t t = 0; t < visible; ++t) {
       const float* key = k + t * a.kv_row_stride;
+      if (t + kAhead < visible)
+        for (int64_t at = 0; at < d; at += 16)
+          _mm_prefetch(reinterpret_cast<const char*>(key + kAhead * a.kv_row_stride + at), _MM_HINT_T0);
       for (int64_t h = 0; h < group; ++h) {
         __m512 acc = _mm512_setzero_ps();
         for (int64_t j = 0; j < vectors; ++j) {
@@ -77,6 +83,9 @@ BP_AVX512_FLOAT void run_kv_head_avx512(void* data, size_t index) {
     std::fill(sums, sums + group * vectors * 16, 0.0f);
     for (int64_t t = 0; t < visible; ++t) {
       const float* value = v + t * a.kv_row_stride;
+      if (t + kAhead < visible)
+        for (int64_t at = 0; at < d; at += 16)
+          _mm_prefetch(reinterpret_cast<const char*>(value + kAhead * a.kv_row_stride + at), _MM_HINT_T0);
       for (int64_t j = 0; j < vectors; ++j) {
         const __mmask16 m = j + 1 < vectors ? static_cast<__mmask16>(0xFFFF) : tail;
         const __m512 x = _mm512_maskz_loadu_ps(m, value + 16 * j);
@@ -145,9 +154,6 @@ struct Head {
 BP_AVX2_FLOAT inline __m256 load8(const Head& head, const float* at, int64_t j) {
   return j + 1 < head.vectors ? _mm256_loadu_ps(at + 8 * j) : _mm256_maskload_ps(at + 8 * j, head.tail);
 }
-
-// Keys ahead of the scores' loads that each pair of keys prefetches (the cache is cold after a step's weights).
-constexpr int64_t kAhead = 8;
 
 // Scores of kHeads query heads (q: their rows side by side) against keys [0, visible), two keys at a time.
 template <int kHeads>

@@ -7,12 +7,12 @@ prompt (no LoRA), and a question about a generated 448x448 photo (the vision LoR
 (BUILDER_PLUGIN_OPS_WEIGHTS) instead of with onnxruntime's kernels. `--against split --split-package SPLIT` pairs the
 package's self-routing decoder with the decoder a `--lora split` build of the same checkpoint has for the mode (no `If`
 nodes: the cost of routing), both with the library as it loads by default. `--against routed` pairs the decoder Chat
-answers the mode with (a routed CPU package's text decoder without LoRA, for text) with the package's routed decoder,
-which a plain onnxruntime-genai app runs, both with the library.
+answers the mode with (a routed CPU package's decoder for that mode, without the routing's `If` nodes) with the
+package's routed decoder, which a plain onnxruntime-genai app runs, both with the library.
 
     python -m benchmarks.bench_decode_pairs PKG [--modes text,image] [--rounds 64] [--steps 4] [--prompt-tokens 512]
     python -m benchmarks.bench_decode_pairs PKG --against split --split-package SPLIT_PKG
-    python -m benchmarks.bench_decode_pairs PKG --against routed --modes text
+    python -m benchmarks.bench_decode_pairs PKG --against routed
     python -m benchmarks.bench_decode_pairs --from-json benchmarks/results/decode_pairs.json   # redo the report
 
 Reported per mode: each setting's tokens/s over the blocks (best / median), and the ratio library / the other of every
@@ -194,7 +194,7 @@ def heading(results: dict[str, Any]) -> str:
     """The section: one per machine class and per setting the library is paired with."""
     against = results.get("against", "onnxruntime")
     name = {"onnxruntime": HEADING, "split": f"{HEADING}, routed against split",
-            ROUTED: f"{HEADING}, Chat's text decoder against the routed one"}.get(
+            ROUTED: f"{HEADING}, Chat's decoders against the routed one"}.get(
         against, f"{HEADING}, the library against {against}")
     return per_machine_class(name)(results)
 

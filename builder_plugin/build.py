@@ -106,7 +106,7 @@ def build_component(builder: ComponentBuilder, weights: Mapping[str, TensorRef])
     output = builder.build_output(weights)
     graphs = {}
     for filename, model in output.graphs.items():
-        model = builder.finish(builder.quantize(model))
+        model = builder.finish(builder.quantize(model), filename)
         check_io(model, output.spec, filename)
         graphs[filename] = model
     return replace(output, graphs=graphs)

@@ -80,9 +80,21 @@ def mode_of(has_image: bool, has_audio: bool) -> str:
     return "vision" if has_image else "speech" if has_audio else "text"
 
 
+# (has_image, has_audio) of a conversation in each input mode, as mode_of reads them (vision: without audio here).
+MODE_MEDIA: dict[str, tuple[bool, bool]] = {"text": (False, False), "vision": (True, False), "speech": (False, True)}
+
+
 # The decoder file of each input mode in a split build (--lora split): one file per mode, base weights shared.
 SPLIT_DECODERS: dict[str, str] = {
     "text": "phi-4-mm-text-base.onnx",  # no LoRA
     "vision": MAIN_DECODER,  # vision LoRA: images, and images + audio
     "speech": "phi-4-mm-text-speech.onnx",  # speech LoRA: audio only
+}
+# The decoder of each input mode that a routed CPU int4 / int8 build writes besides its routed decoder: the routed
+# decoder's I/O, the mode's adapter always applied (no If nodes), the same data file. The split build's names where
+# its file answers the same (text, speech); vision has its own, the split build's being the main decoder's name.
+MODE_DECODERS: dict[str, str] = {
+    "text": SPLIT_DECODERS["text"],
+    "vision": "phi-4-mm-text-vision.onnx",
+    "speech": SPLIT_DECODERS["speech"],
 }

@@ -85,6 +85,7 @@ class ComponentBuilder(ABC):
         return quantize_matmuls(model, QuantPlan.for_encoders(options), options.accuracy_level,
                                 cache=self.quant_cache)
 
-    def finish(self, model: ir.Model) -> ir.Model:
-        """What a graph still needs after quantization before it is checked and written (nothing by default)."""
+    def finish(self, model: ir.Model, filename: str) -> ir.Model:
+        """What the graph written to `filename` still needs after quantization before it is checked and written
+        (nothing by default)."""
         return model

@@ -86,7 +86,7 @@ class VisionBuilder(ComponentBuilder):
         graph = _VisionGraph(g, self.config, weights, self.fused_ops)
         return {VISION_FILENAME: graph.build()}
 
-    def finish(self, model: ir.Model) -> ir.Model:
+    def finish(self, model: ir.Model, filename: str) -> ir.Model:
         """On CPU, SigLIP one crop at a time (vision_scan.py)."""
         if self.options.execution_provider == "cpu":
             values = {value.name: value for node in model.graph for value in node.outputs}

@@ -26,7 +26,7 @@ from typing import Any
 
 import onnxruntime_genai as og
 
-from builder_plugin.layout import GENAI_CONFIG_FILE, Component, mode_of
+from builder_plugin.layout import GENAI_CONFIG_FILE, MODE_MEDIA, Component, mode_of
 from builder_plugin.media import Media
 from builder_plugin.runtime import kernel_library
 from builder_plugin.runtime.conversation import AnswerMemory, Markers
@@ -236,10 +236,11 @@ class Package:
     def variant_for(self, has_image: bool, has_audio: bool) -> str:
         """The decoder file for a conversation with (or without) images and audio.
 
-        A self-routing package's own decoder for a mode (its text decoder without LoRA) answers only where the kernel
-        library runs the package: the library reads the weights in place from the shared data file, where
-        onnxruntime's kernel prepacks a copy per session, which would hold the weights twice once a process had
-        loaded both decoders. Elsewhere the routed decoder answers every mode."""
+        A self-routing package's own decoder for a mode (no If nodes: text without LoRA, images with the vision
+        adapter, audio with the speech one) answers only where the kernel library runs the package: the library
+        reads the weights in place from the shared data file, where onnxruntime's kernel prepacks a copy per session,
+        which would hold the weights once more for every decoder a process loads. Elsewhere the routed decoder
+        answers every mode."""
         name = self.manifest.decoders[mode_of(has_image, has_audio)]
         if self.manifest.routing == "self" and self.kernel_library is None:
             return self.main_decoder
@@ -256,9 +257,8 @@ class Package:
         return tuple(dict.fromkeys((chosen, self.main_decoder) if self.manifest.routing == "self" else (chosen,)))
 
     def preload(self) -> None:
-        """Load the decoders a server's first requests would otherwise wait for: text's, and a self-routing package's
-        routed one (media) where text has another."""
-        for variant in self.decoders_for(has_image=False, has_audio=False):
+        """Load the decoders a server's first requests would otherwise wait for: each input mode's."""
+        for variant in dict.fromkeys(self.variant_for(*media) for media in MODE_MEDIA.values()):
             self.load(variant)
 
     def load(self, variant: str) -> LoadedModel:
@@ -269,9 +269,9 @@ class Package:
             return self._models[variant]
 
     def _load(self, variant: str) -> LoadedModel:
-        media = {self.variant_for(*mode) for mode in ((True, False), (False, True))}
-        sections = self.thread_overlay if variant in media else \
-            thread_overlay(self.genai_config, self.threads, self._session_options, unused=MEDIA_SECTIONS)
+        text_only = variant == self.variant_for(False, False) and variant != self.main_decoder
+        sections = thread_overlay(self.genai_config, self.threads, self._session_options, unused=MEDIA_SECTIONS) \
+            if text_only else self.thread_overlay
         try:
             config = og.Config(str(self.dir.absolute()))  # the library loads with its own folder as the cwd
             overlay: dict[str, Any] = {"search": {"max_length": self.max_length},

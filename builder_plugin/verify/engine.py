@@ -47,7 +47,7 @@ def matmul_kernel(package: str) -> str:
 def assignments(package: str, cases: Sequence[Case]) -> dict[str, list[int]]:
     """{decoder file: the indices of the cases it runs}: each case on the variant the run-time helper picks for its
     mode, and on a self-routing package also on the routed decoder, which a plain onnxruntime-genai app runs for every
-    mode (where the helper answers text with the text decoder, both are checked)."""
+    mode (where the helper answers a mode with that mode's decoder, both are checked)."""
     opened = Package(package)
     by_variant: dict[str, list[int]] = {}
     for index, case in enumerate(cases):

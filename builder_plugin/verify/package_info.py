@@ -10,7 +10,7 @@ from pathlib import Path
 import onnx
 from transformers import Phi4MultimodalConfig
 
-from builder_plugin.layout import GENAI_CONFIG_FILE, MAIN_DECODER, SPLIT_DECODERS
+from builder_plugin.layout import GENAI_CONFIG_FILE, MAIN_DECODER, MODE_DECODERS, SPLIT_DECODERS
 
 _FLOAT_TYPES = {onnx.TensorProto.FLOAT: "fp32", onnx.TensorProto.FLOAT16: "fp16", onnx.TensorProto.BFLOAT16: "fp16"}
 _INT8_OPS = {"MatMulInteger", "DynamicQuantizeLinear", "QLinearMatMul", "MatMulIntegerToFloat"}
@@ -35,7 +35,7 @@ def package_precisions(package: Path) -> dict[str, str]:
     config = json.loads((package / GENAI_CONFIG_FILE).read_text(encoding="utf-8"))["model"]
     names = {section["filename"] for section in config.values()
              if isinstance(section, dict) and section.get("filename")}
-    names |= {MAIN_DECODER, *SPLIT_DECODERS.values()}
+    names |= {MAIN_DECODER, *SPLIT_DECODERS.values(), *MODE_DECODERS.values()}
     return {name: graph_precision(package / name) for name in sorted(names) if (package / name).is_file()}
 
 

@@ -32,7 +32,7 @@ def _build_and_save(config: Phi4MMConfig, weights: Mapping, options: BuildOption
     builder = VisionBuilder(config, options, fused_ops=fused_ops)
     models = builder.build(weights)
     assert list(models) == [VISION_FILENAME]
-    model = builder.finish(models[VISION_FILENAME])
+    model = builder.finish(models[VISION_FILENAME], VISION_FILENAME)
     check_io(model, VisionBuilder.io_spec(config, options.io_dtype), VISION_FILENAME)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / VISION_FILENAME
@@ -239,7 +239,7 @@ def test_siglip_runs_one_crop_at_a_time_on_cpu(provider, scanned, tiny_checkpoin
     options = BuildOptions(model_dir=tiny_checkpoint, output_dir=tmp_path, precision="fp32",
                            execution_provider=provider)
     builder = VisionBuilder(tiny_config, options)
-    model = builder.finish(builder.build(vision_weights)[VISION_FILENAME])
+    model = builder.finish(builder.build(vision_weights)[VISION_FILENAME], VISION_FILENAME)
     scans = [node for node in model.graph if node.op_type == "Scan"]
     outside = [node.op_type for node in model.graph]
     layers = tiny_config.vision.num_layers_used

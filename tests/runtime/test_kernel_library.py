@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from builder_plugin import kernels
-from builder_plugin.layout import MAIN_DECODER, SPLIT_DECODERS
+from builder_plugin.layout import MAIN_DECODER, MODE_DECODERS
 from builder_plugin.runtime import Chat, Package
 from builder_plugin.runtime.kernel_library import SWITCH, for_package
 
@@ -74,35 +74,48 @@ def test_a_package_answers_as_with_onnxruntimes_kernel(tiny_int4_package, tiny_p
 
 
 @NEEDS_LIBRARY
-def test_text_is_answered_by_the_text_decoder_where_the_library_runs(tiny_int4_package, media_dir):
-    """A routed CPU int4 package's decoder without LoRA answers text-only conversations where the library reads the
-    weights in place; a conversation that gains an image moves to the routed decoder. Without the library (whose
-    absence makes onnxruntime prepack a copy of the weights per session) the routed decoder answers every mode."""
+def test_each_mode_is_answered_by_its_decoder_where_the_library_runs(tiny_int4_package, media_dir):
+    """A routed CPU int4 package's decoder for each input mode (no If nodes) answers where the library reads the
+    weights in place: text without LoRA, images (with audio or not) with the vision adapter, audio with the speech
+    one; a conversation that gains an image moves to the vision decoder. Without the library (whose absence makes
+    onnxruntime prepack a copy of the weights per session) the routed decoder answers every mode."""
     modes = ((False, False), (True, False), (False, True), (True, True))
     package = Package(tiny_int4_package)
-    assert [package.variant_for(*mode) for mode in modes] == [SPLIT_DECODERS["text"], *[MAIN_DECODER] * 3]
+    assert [package.variant_for(*mode) for mode in modes] == [MODE_DECODERS["text"], MODE_DECODERS["vision"],
+                                                              MODE_DECODERS["speech"], MODE_DECODERS["vision"]]
     assert {Package(tiny_int4_package, kernels=False).variant_for(*mode) for mode in modes} == {MAIN_DECODER}
     chat = Chat(package)
     list(chat.ask("Say something.", max_new_tokens=2))
-    assert package.is_loaded(SPLIT_DECODERS["text"]) and not package.is_loaded(MAIN_DECODER)
-    assert chat.next_variant() == SPLIT_DECODERS["text"]
-    assert chat.next_variant([media_dir / "square.png"]) == MAIN_DECODER
+    assert package.is_loaded(MODE_DECODERS["text"]) and not package.is_loaded(MAIN_DECODER)
+    assert chat.next_variant() == MODE_DECODERS["text"]
+    assert chat.next_variant([media_dir / "square.png"]) == MODE_DECODERS["vision"]
     list(chat.ask("And this?", [media_dir / "square.png"], max_new_tokens=2))
-    assert package.is_loaded(MAIN_DECODER) and chat.next_variant() == MAIN_DECODER
+    assert package.is_loaded(MODE_DECODERS["vision"]) and chat.next_variant() == MODE_DECODERS["vision"]
+    assert not package.is_loaded(MAIN_DECODER)
     served = Package(tiny_int4_package)
     served.preload()  # what the server loads before its first request
-    assert served.is_loaded(SPLIT_DECODERS["text"]) and served.is_loaded(MAIN_DECODER)
+    assert [v for v in (MAIN_DECODER, *MODE_DECODERS.values()) if served.is_loaded(v)] == list(MODE_DECODERS.values())
+
+
+TEXT_TURNS = [("Tell me a story about a lighthouse keeper and the ships she counted in the storm.", [], []),
+              ("And then what happened next, in more detail please?", [], []),
+              ("Continue the story for a while longer, with the colour of the sea.", [], [])]
 
 
 @NEEDS_LIBRARY
-def test_a_conversation_on_the_text_decoder_answers_as_on_the_routed_one(tiny_int4_package, media_dir):
-    """Text turns kept and followed up past the LongRoPE switch, then an image (which moves the conversation to the
-    routed decoder), then text again: the same tokens and logits as the routed decoder answering every turn (which
-    verify checks against the checkpoint)."""
-    turns = [("Tell me a story about a lighthouse keeper and the ships she counted in the storm.", []),
-             ("And then what happened next, in more detail please?", []),
-             ("Continue the story for a while longer, with the colour of the sea.", []),
-             ("What is in this picture?", [media_dir / "square.png"]), ("Say more about it.", [])]
+@pytest.mark.parametrize("media", ["image", "audio", "both"])
+def test_a_conversation_on_the_mode_decoders_answers_as_on_the_routed_one(tiny_int4_package, media_dir, media):
+    """Text turns kept and followed up past the LongRoPE switch, then media (which moves the conversation to its
+    mode's decoder; an image after a clip from the speech decoder to the vision one), then text again: the same
+    tokens and logits as the routed decoder answering every turn (which verify checks against the checkpoint)."""
+    image, clip = [media_dir / "square.png"], [media_dir / "clip_2s.wav"]
+    if media == "both":
+        more = [("What do you hear?", [], clip), ("And what is in this picture?", image, []), ("Say more.", [], [])]
+        modes = ["text"] * 3 + ["speech", "vision", "vision"]
+    else:
+        files = (image, []) if media == "image" else ([], clip)
+        more = [("What is in this?", *files), ("Say more about it.", [], [])]
+        modes = ["text"] * 3 + [{"image": "vision", "audio": "speech"}[media]] * 2
     answers = {}
     for routed in (False, True):
         package = Package(tiny_int4_package)
@@ -111,11 +124,11 @@ def test_a_conversation_on_the_text_decoder_answers_as_on_the_routed_one(tiny_in
         chat = Chat(package)
         chat.keep_logits = True
         answers[routed] = []
-        for text, images in turns:
-            answer = "".join(chat.ask(text, images, max_new_tokens=40))
+        for text, images, audios in TEXT_TURNS + more:
+            answer = "".join(chat.ask(text, images, audios, max_new_tokens=40))
             answers[routed].append((chat.last_stats.variant, answer, np.stack(chat.last_logits),
                                     chat.last_stats.recomputed))
-    assert [a[0] for a in answers[False]] == [SPLIT_DECODERS["text"]] * 3 + [MAIN_DECODER] * 2
+    assert [a[0] for a in answers[False]] == [MODE_DECODERS[mode] for mode in modes]
     assert any(a[3] for a in answers[False][:3])  # the text decoder crossed the LongRoPE switch
     for (_, text, logits, _), (_, want_text, want, _) in zip(answers[False], answers[True]):
         assert text == want_text

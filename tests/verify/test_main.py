@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 import pytest
 
-from builder_plugin.layout import GRAPH_FILES, MAIN_DECODER, SPLIT_DECODERS, Component
+from builder_plugin.layout import GRAPH_FILES, MAIN_DECODER, MODE_DECODERS, Component
 from builder_plugin.testing.media import make_wav
 from builder_plugin.verify.__main__ import EXIT_MISMATCH, main, make_parser
 from builder_plugin.verify.modes import VERIFY_MODES
@@ -98,8 +98,8 @@ def test_good_package_passes_every_mode(request, tmp_path, layout):
 
 def test_int4_package_reports_the_prompt_path(tmp_path, tiny_int4_package, tiny_checkpoint):
     """verify runs the package as the run-time helper does (the kernel library where it helps) and reports the
-    prefill, which every built-in prompt makes long enough for a kernel's many-rows path, apart from decode. Text
-    runs on the text decoder the helper answers it with (with the library) and on the routed decoder a plain
+    prefill, which every built-in prompt makes long enough for a kernel's many-rows path, apart from decode. Each mode
+    runs on the decoder the helper answers it with (with the library) and on the routed decoder a plain
     onnxruntime-genai app runs."""
     from builder_plugin import kernels
 
@@ -109,7 +109,7 @@ def test_int4_package_reports_the_prompt_path(tmp_path, tiny_int4_package, tiny_
                                      else "onnxruntime's own kernel")
     decoders = {(case["mode"], case["variant"]) for case in data["cases"]}
     assert decoders == {("text", MAIN_DECODER), ("image", MAIN_DECODER),
-                        *((("text", SPLIT_DECODERS["text"]),) if library else ())}
+                        *((("text", MODE_DECODERS["text"]), ("image", MODE_DECODERS["vision"])) if library else ())}
     assert all(case["prompt_tokens"] >= 16 for case in data["cases"])
     for mode in data["modes"]:
         assert mode["prefill_mean_kl"] >= 0 and 0 <= mode["prefill_top1"] <= 1

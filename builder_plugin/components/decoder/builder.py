@@ -114,18 +114,21 @@ class DecoderBuilder(ComponentBuilder):
         plan = QuantPlan.for_decoder(options, self.config.text.num_hidden_layers)
         return quantize_matmuls(model, plan, options.accuracy_level, cache=self.quant_cache)
 
-    def finish(self, model: ir.Model) -> ir.Model:
-        """The self-routing decoder's mode state and LoRA routing, then the GenAI builder's build metadata.
+    def finish(self, model: ir.Model, filename: str) -> ir.Model:
+        """The self-routing decoder's mode state and LoRA routing (a mode's decoder beside it: the mode state alone,
+        its adapter applying always), then the GenAI builder's build metadata.
 
         Routing comes after quantizing: the adapters are then main-graph branches, as onnxruntime's quantizer (which
         leaves If bodies float for rtn / k_quant) sees the split variants; routing moves the quantized nodes into the
         Ifs unchanged."""
-        if self.plan.self_routing:
+        variant = self.plan.variant(filename)
+        if variant.self_routing:
             text = self.config.text
             placeholders = (self.config.image_token_id, self.config.audio_token_id)
             is_vision, is_speech = add_mode_state(model, text.num_hidden_layers, text.num_key_value_heads,
                                                   text.head_dim, placeholders)
-            route_lora_branches(model, is_vision, is_speech)
+            if variant.routes_adapters:
+                route_lora_branches(model, is_vision, is_speech)
         genai_builder_class().stamp_build_metadata(model)
         return model
 

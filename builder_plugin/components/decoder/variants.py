@@ -1,18 +1,18 @@
 """The decoder plan of a build: which decoder files it makes (one variant per file, with the LoRA adapters it runs or
 merges) and which file answers each input mode. Computed once per build from options `validate_options` accepted.
 
-A routed CPU int4 / int8 build also writes a text decoder without LoRA (no ``If`` nodes), with the same I/O as the
-routed one and reading the same data file: the run time answers a text-only conversation with it where the project's
-kernel library reads the weights in place, so the second decoder holds no second copy of them (runtime.package). The
-routing's ``If`` nodes cost a text prompt about 5 % of its prefill (the skipped branches copy each projection's
-output) and a few percent of every decode step; a plain onnxruntime-genai app runs the routed decoder, which
-genai_config.json names, for every mode."""
+A routed CPU int4 / int8 build also writes a decoder for each input mode (layout.MODE_DECODERS): the mode's adapter
+always applied (text: none), no ``If`` nodes, the routed decoder's I/O (its mode layer included) and the same data
+file. The run time answers a conversation with its mode's decoder where the project's kernel library reads the weights
+in place, so the extra decoders hold no second copy of them (runtime.package). The routing's ``If`` nodes cost a text
+prompt about 5 % of its prefill (the skipped branches copy each projection's output) and about 5 % of every decode
+step; a plain onnxruntime-genai app runs the routed decoder, which genai_config.json names, for every mode."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from builder_plugin.layout import INPUT_MODES, MAIN_DECODER, MODE_LORA, SPLIT_DECODERS
+from builder_plugin.layout import INPUT_MODES, MAIN_DECODER, MODE_DECODERS, MODE_LORA, SPLIT_DECODERS
 from builder_plugin.options import LORA_ADAPTERS, BuildOptions
 
 # The input modes of a split build's decoders in the order they are built and written: the main decoder, the one
@@ -32,8 +32,14 @@ class DecoderVariant:
 
     @property
     def self_routing(self) -> bool:
-        """One graph for every input mode, choosing its adapter from the placeholder ids (`mode_routing`)."""
+        """The routed decoder's I/O: its mode layer, which records the conversation's input mode (`mode_routing`)."""
         return self.lora == "routed"
+
+    @property
+    def routes_adapters(self) -> bool:
+        """One graph for every input mode, choosing its adapter from the placeholder ids: the routed decoder itself,
+        not a mode's decoder beside it (whose adapter always applies)."""
+        return self.self_routing and self.input_mode is None
 
 
 @dataclass(frozen=True)
@@ -52,8 +58,13 @@ class DecoderPlan:
                              for mode in SPLIT_ORDER))
         main = DecoderVariant(MAIN_DECODER, lora, adapters=LORA_ADAPTERS[lora])
         if main.self_routing and options.execution_provider == "cpu" and options.quantize:
-            return cls((main, DecoderVariant(SPLIT_DECODERS["text"], lora, input_mode="text")))
+            return cls((main, *(DecoderVariant(MODE_DECODERS[mode], lora, adapters=LORA_ADAPTERS[MODE_LORA[mode]],
+                                               input_mode=mode) for mode in INPUT_MODES)))
         return cls((main,))
+
+    def variant(self, filename: str) -> DecoderVariant:
+        """The variant written to `filename`."""
+        return next(v for v in self.variants if v.filename == filename)
 
     @property
     def self_routing(self) -> bool:

@@ -30,9 +30,11 @@ from builder_plugin.layout import (
     INPUT_MODES,
     INPUTS_EMBEDS,
     MAIN_DECODER,
+    MODE_DECODERS,
+    MODE_LORA,
     SPLIT_DECODERS,
 )
-from builder_plugin.options import BuildOptions
+from builder_plugin.options import LORA_ADAPTERS, BuildOptions
 from builder_plugin.package import PackageWriter, initializers
 from builder_plugin.quant.plan import LM_HEAD_WEIGHT
 from builder_plugin.spec import Component
@@ -385,13 +387,14 @@ def test_routed_quantized_weights_are_the_split_variants(extra, tiny_checkpoint,
                                                           tmp_path) -> None:
     """The routed decoder is quantized before its adapters move into Ifs, so under every algorithm (also those
     onnxruntime applies to main-graph MatMuls only) no float MatMul is left, and every weight is byte for byte the
-    split variants' (whose quantization is compared with the stock builder's above); it answers like them. Its text
-    decoder (a CPU int4 / int8 build's) has no LoRA and no If but the LongRoPE caches', the routed decoder's I/O, the
-    same data file, and answers text like the split text decoder."""
+    split variants' (whose quantization is compared with the stock builder's above); it answers like them. Its
+    decoder for each mode (a CPU int4 / int8 build's) has no If but the LongRoPE caches', the LoRA of that mode's
+    adapter alone (text: none), the routed decoder's I/O, the same data file, and answers like the split build's
+    decoder for that mode."""
     routed_paths = _build_and_save(tiny_config, tiny_weights, _options(tiny_checkpoint, "int4", "routed", extra=extra),
                                    tmp_path / "routed")[1]
-    assert sorted(routed_paths) == sorted((MAIN_DECODER, SPLIT_DECODERS["text"]))
-    routed, text = routed_paths[MAIN_DECODER], routed_paths[SPLIT_DECODERS["text"]]
+    assert sorted(routed_paths) == sorted((MAIN_DECODER, *MODE_DECODERS.values()))
+    routed = routed_paths[MAIN_DECODER]
     split = _build_and_save(tiny_config, tiny_weights, _options(tiny_checkpoint, "int4", "split", extra=extra),
                             tmp_path / "split")[1]
     model = onnx.load(str(routed))
@@ -414,18 +417,24 @@ def test_routed_quantized_weights_are_the_split_variants(extra, tiny_checkpoint,
         want = SharedBufferDecoder(split[SPLIT_DECODERS[mode]], tiny_config).run(embeds, steps)[1]
         np.testing.assert_allclose(np.stack(got), np.stack(want), atol=1e-4, rtol=0)
 
-    text_model = onnx.load(str(text), load_external_data=False)
-    text_nodes = list(ir.traversal.RecursiveGraphIterator(ir.from_proto(text_model).graph))
-    assert [n.name for n in text_nodes if n.op_type == "If"] == ["/model/rope_caches_subgraph/If"]
-    assert not [n.name for n in text_nodes if "lora" in (n.name or "")]
     io = [[(v.name, v.type.SerializeToString()) for v in values] for values in (model.graph.input, model.graph.output)]
-    assert [[(v.name, v.type.SerializeToString()) for v in values]
-            for values in (text_model.graph.input, text_model.graph.output)] == io
-    assert {e.value for t in text_model.graph.initializer for e in t.external_data if e.key == "location"} == {
-        DATA_FILE}
-    got = SharedBufferDecoder(text, tiny_config).run(embeds, steps, ())[1]
-    want = SharedBufferDecoder(split[SPLIT_DECODERS["text"]], tiny_config).run(embeds, steps)[1]
-    np.testing.assert_allclose(np.stack(got), np.stack(want), atol=1e-4, rtol=0)
+    for placeholders, mode in (((), "text"), ((IMAGE_TOKEN_ID,), "vision"), ((AUDIO_TOKEN_ID,), "speech")):
+        path = routed_paths[MODE_DECODERS[mode]]
+        own = onnx.load(str(path), load_external_data=False)
+        nodes = list(ir.traversal.RecursiveGraphIterator(ir.from_proto(own).graph))
+        assert [n.name for n in nodes if n.op_type == "If"] == ["/model/rope_caches_subgraph/If"], mode
+        adapters = {adapter for n in nodes if "lora" in (n.name or "") and n.op_type == "MatMulNBits"
+                    for adapter in ("vision", "speech") if adapter in n.name}
+        assert adapters == set(LORA_ADAPTERS[MODE_LORA[mode]]), mode
+        assert sum("lora" in (n.name or "") and n.op_type == "MatMulNBits" for n in nodes) == \
+            9 * tiny_config.text.num_hidden_layers * len(adapters)
+        assert [[(v.name, v.type.SerializeToString()) for v in values]
+                for values in (own.graph.input, own.graph.output)] == io
+        assert {e.value for t in own.graph.initializer for e in t.external_data if e.key == "location"} == {
+            DATA_FILE}
+        got = SharedBufferDecoder(path, tiny_config).run(embeds, steps, placeholders)[1]
+        want = SharedBufferDecoder(split[SPLIT_DECODERS[mode]], tiny_config).run(embeds, steps)[1]
+        np.testing.assert_allclose(np.stack(got), np.stack(want), atol=1e-4, rtol=0)
 
 
 def test_mixed_precision_puts_int8_on_the_stock_builders_nodes(tiny_checkpoint, tiny_config, tiny_weights,
@@ -531,9 +540,8 @@ def test_runtime_settings(tiny_checkpoint, tiny_config, tiny_weights) -> None:
 
     cpu = runtime()
     assert (cpu.routing, cpu.decoders) == ("self", dict.fromkeys(INPUT_MODES, MAIN_DECODER))
-    int4 = runtime(precision="int4")  # with the text decoder without LoRA
-    assert (int4.routing, int4.decoders) == ("self", {"text": SPLIT_DECODERS["text"], "vision": MAIN_DECODER,
-                                                      "speech": MAIN_DECODER})
+    int4 = runtime(precision="int4")  # with a decoder for each mode
+    assert (int4.routing, int4.decoders) == ("self", MODE_DECODERS)
     assert cpu.past_present_share_buffer and cpu.provider_options == ()
     split = runtime(lora="split")
     assert (split.routing, list(split.decoders.items())) == ("split", [

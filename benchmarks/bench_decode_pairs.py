@@ -163,8 +163,8 @@ def report(results: dict[str, Any]) -> str:
             "split": f"and `{split}` (a `--lora split` build: its decoder for the mode, no If nodes) loaded in one "
                      "process, both with the kernel library as it loads by default",
             ROUTED: "loaded twice in one process, both with the kernel library as it loads by default: the decoder "
-                    "Chat answers the mode with (its text decoder without LoRA, for text) and the routed decoder "
-                    "genai_config.json names"}.get(
+                    "Chat answers the mode with (its decoder for that mode, without the routing's `If` nodes) and the "
+                    "routed decoder genai_config.json names"}.get(
         against, f"loaded twice in one process (the kernel library as it loads by default; the library with "
                  f"{WEIGHTS}={against})")
     first = {"split": "Routed", ROUTED: "Chat's decoder"}.get(against, "Library")

@@ -5,7 +5,7 @@ A routed CPU int4 / int8 build also writes a decoder for each input mode (layout
 always applied (text: none), no ``If`` nodes, the routed decoder's I/O (its mode layer included) and the same data
 file. The run time answers a conversation with its mode's decoder where the project's kernel library reads the weights
 in place, so the extra decoders hold no second copy of them (runtime.package). The routing's ``If`` nodes cost a text
-prompt about 5 % of its prefill (the skipped branches copy each projection's output) and about 5 % of every decode
+prompt about 5 % of its prefill (the skipped branches copy each projection's output) and 1-5 % of every decode
 step; a plain onnxruntime-genai app runs the routed decoder, which genai_config.json names, for every mode."""
 
 from __future__ import annotations

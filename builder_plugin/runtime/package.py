@@ -2,8 +2,8 @@
 
 One ``og.Model`` answers every input mode of a routed package: its decoder picks the LoRA adapter of the conversation
 from the prompt itself, so vision, speech, embedding and decoder sessions are loaded once. Where the kernel library
-runs it, a routed CPU package's text decoder without LoRA answers text-only conversations, in an ``og.Model`` of its
-own loaded on the first of them (variant_for). A split package
+runs it, a routed CPU package's decoder for each input mode (no ``If`` nodes) answers that mode's conversations, each
+in an ``og.Model`` of its own loaded on the first of them (variant_for). A split package
 (``--lora split``) has one decoder file per mode and gets one ``og.Model`` per mode used, each with its own sessions;
 ``manifest.json`` says which file answers which mode. Every session computes with ``threads`` intra-op threads, by
 default one per physical core the process may use, set by an og.Config overlay at load (runtime/threads.py).

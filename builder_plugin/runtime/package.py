@@ -257,8 +257,10 @@ class Package:
         return tuple(dict.fromkeys((chosen, self.main_decoder) if self.manifest.routing == "self" else (chosen,)))
 
     def preload(self) -> None:
-        """Load the decoders a server's first requests would otherwise wait for: each input mode's."""
-        for variant in dict.fromkeys(self.variant_for(*media) for media in MODE_MEDIA.values()):
+        """Load the decoders a server's first requests would otherwise wait for: each input mode's (audio's where the
+        package has a speech model)."""
+        modes = [media for media in MODE_MEDIA.values() if self.has_speech or not media[1]]
+        for variant in dict.fromkeys(self.variant_for(*media) for media in modes):
             self.load(variant)
 
     def load(self, variant: str) -> LoadedModel:

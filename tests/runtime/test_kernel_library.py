@@ -95,6 +95,11 @@ def test_each_mode_is_answered_by_its_decoder_where_the_library_runs(tiny_int4_p
     served = Package(tiny_int4_package)
     served.preload()  # what the server loads before its first request
     assert [v for v in (MAIN_DECODER, *MODE_DECODERS.values()) if served.is_loaded(v)] == list(MODE_DECODERS.values())
+    without_speech = Package(tiny_int4_package)
+    without_speech.has_speech = False  # as a package built without its speech model reads
+    without_speech.preload()  # takes no audio: no decoder for it
+    assert [v for v in MODE_DECODERS.values() if without_speech.is_loaded(v)] == [MODE_DECODERS["text"],
+                                                                                  MODE_DECODERS["vision"]]
 
 
 TEXT_TURNS = [("Tell me a story about a lighthouse keeper and the ships she counted in the storm.", [], []),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from builder_plugin.layout import INPUT_MODES, MAIN_DECODER, MODE_DECODERS, MODE_LORA, SPLIT_DECODERS
+from builder_plugin.layout import INPUT_MODES, MAIN_DECODER, MODE_DECODERS, MODE_LORA, SPLIT_DECODERS, Component
 from builder_plugin.options import LORA_ADAPTERS, BuildOptions
 
 # The input modes of a split build's decoders in the order they are built and written: the main decoder, the one
@@ -58,8 +58,10 @@ class DecoderPlan:
                              for mode in SPLIT_ORDER))
         main = DecoderVariant(MAIN_DECODER, lora, adapters=LORA_ADAPTERS[lora])
         if main.self_routing and options.execution_provider == "cpu" and options.quantize:
+            # a package without a speech model takes no audio: the routed decoder stands for that mode
+            modes = [m for m in INPUT_MODES if m != "speech" or Component.SPEECH in options.components]
             return cls((main, *(DecoderVariant(MODE_DECODERS[mode], lora, adapters=LORA_ADAPTERS[MODE_LORA[mode]],
-                                               input_mode=mode) for mode in INPUT_MODES)))
+                                               input_mode=mode) for mode in modes)))
         return cls((main,))
 
     def variant(self, filename: str) -> DecoderVariant:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import filecmp
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -542,6 +543,10 @@ def test_runtime_settings(tiny_checkpoint, tiny_config, tiny_weights) -> None:
     assert (cpu.routing, cpu.decoders) == ("self", dict.fromkeys(INPUT_MODES, MAIN_DECODER))
     int4 = runtime(precision="int4")  # with a decoder for each mode
     assert (int4.routing, int4.decoders) == ("self", MODE_DECODERS)
+    no_speech = replace(_options(tiny_checkpoint, precision="int4"),
+                        components=frozenset({Component.VISION, Component.EMBEDDING, Component.DECODER}))
+    without_speech = DecoderBuilder(tiny_config, no_speech).build_output(tiny_weights[Component.DECODER])
+    assert without_speech.runtime.decoders == {**MODE_DECODERS, "speech": MAIN_DECODER}  # no audio to answer
     assert cpu.past_present_share_buffer and cpu.provider_options == ()
     split = runtime(lora="split")
     assert (split.routing, list(split.decoders.items())) == ("split", [

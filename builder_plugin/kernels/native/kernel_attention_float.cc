@@ -24,33 +24,66 @@ namespace {
 // Keys ahead of the loads that the key and value rows are prefetched (the cache is cold after a step's weights).
 constexpr int64_t kAhead = 8;
 
-// Query row r's causal reach: the keys it sees.
-int64_t visible_keys(const Attention& a, int64_t r) {
-  return a.causal_past >= 0 ? std::min(a.kv_len, a.causal_past + r + 1) : a.kv_len;
+// Every cache line of the row kAhead rows past `row` (rows `stride` floats apart, `d` floats each).
+inline void prefetch_ahead(const float* row, int64_t stride, int64_t d) {
+  for (int64_t at = 0; at < d; at += 16)
+    _mm_prefetch(reinterpret_cast<const char*>(row + kAhead * stride + at), _MM_HINT_T0);
+}
+
+// One task's share: batch row b's K/V head g and its group of query heads, [first_head, first_head + group).
+struct Task {
+  const Attention& a;
+  int64_t b, g, group, first_head;
+  const float* k;
+  const float* v;  // the head's key and value rows
+
+  Task(const Attention& attention, size_t index)
+      : a(attention), b(static_cast<int64_t>(index) / a.kv_heads), g(static_cast<int64_t>(index) % a.kv_heads),
+        group(a.heads / a.kv_heads), first_head(g * group),
+        k(a.k + b * a.kv_batch_stride + g * a.kv_head_stride), v(a.v + b * a.kv_batch_stride + g * a.kv_head_stride) {}
+  // query row r's causal reach: the keys it sees
+  int64_t visible(int64_t r) const {
+    return a.causal_past >= 0 ? std::min(a.kv_len, a.causal_past + r + 1) : a.kv_len;
+  }
+  const float* query(int64_t r, int64_t head) const {
+    return a.q + (b * a.q_len + r) * a.q_row_stride + head * a.head_dim;
+  }
+  float* out(int64_t r, int64_t head) const { return a.out + ((b * a.q_len + r) * a.heads + head) * a.head_dim; }
+};
+
+// This thread's room for the scores of `heads` query heads ([heads][keys_stride]: kv_len rounded up to `lanes`) and
+// their sums of P V ([heads][head_dim rounded up to `lanes`]), kept from task to task.
+struct Scratch {
+  int64_t keys_stride;
+  float* scores;
+  float* sums;
+};
+
+Scratch scratch_for(const Attention& a, int64_t heads, int64_t lanes) {
+  thread_local std::vector<float> memory;
+  const int64_t keys_stride = (a.kv_len + lanes - 1) / lanes * lanes;
+  const int64_t width = (a.head_dim + lanes - 1) / lanes * lanes;
+  memory.resize(static_cast<size_t>(heads * (keys_stride + width)));
+  return {keys_stride, memory.data(), memory.data() + heads * keys_stride};
 }
 
 // ---- AVX-512: 16 lanes, the head's last vector masked ----
 
 BP_AVX512_FLOAT void run_kv_head_avx512(void* data, size_t index) {
-  const Attention& a = *static_cast<const Attention*>(data);
-  const int64_t b = static_cast<int64_t>(index) / a.kv_heads, g = static_cast<int64_t>(index) % a.kv_heads;
-  const int64_t group = a.heads / a.kv_heads, d = a.head_dim, vectors = (d + 15) / 16;
-  const int64_t keys_stride = (a.kv_len + 15) / 16 * 16;
+  const Task task(*static_cast<const Attention*>(data), index);
+  const Attention& a = task.a;
+  const int64_t group = task.group, d = a.head_dim, vectors = (d + 15) / 16;
   const __mmask16 tail = first_lanes(d - (vectors - 1) * 16);
-  thread_local std::vector<float> scratch;
-  scratch.resize(static_cast<size_t>(group * (keys_stride + vectors * 16)));
-  float* scores = scratch.data();                   // [group][keys_stride]
-  float* sums = scores + group * keys_stride;       // [group][vectors x 16]
-  const float* k = a.k + b * a.kv_batch_stride + g * a.kv_head_stride;
-  const float* v = a.v + b * a.kv_batch_stride + g * a.kv_head_stride;
+  const Scratch scratch = scratch_for(a, group, 16);
+  const int64_t keys_stride = scratch.keys_stride;
+  float *scores = scratch.scores, *sums = scratch.sums;
+  const float *k = task.k, *v = task.v;
   for (int64_t r = 0; r < a.q_len; ++r) {
-    const int64_t visible = visible_keys(a, r);
-    const float* q = a.q + (b * a.q_len + r) * a.q_row_stride + g * group * d;  // the group's heads, side by side
+    const int64_t visible = task.visible(r);
+    const float* q = task.query(r, task.first_head);  // the group's heads, side by side
     for (int64_t t = 0; t < visible; ++t) {
       const float* key = k + t * a.kv_row_stride;
-      if (t + kAhead < visible)
-        for (int64_t at = 0; at < d; at += 16)
-          _mm_prefetch(reinterpret_cast<const char*>(key + kAhead * a.kv_row_stride + at), _MM_HINT_T0);
+      if (t + kAhead < visible) prefetch_ahead(key, a.kv_row_stride, d);
       for (int64_t h = 0; h < group; ++h) {
         __m512 acc = _mm512_setzero_ps();
         for (int64_t j = 0; j < vectors; ++j) {
@@ -83,9 +116,7 @@ BP_AVX512_FLOAT void run_kv_head_avx512(void* data, size_t index) {
     std::fill(sums, sums + group * vectors * 16, 0.0f);
     for (int64_t t = 0; t < visible; ++t) {
       const float* value = v + t * a.kv_row_stride;
-      if (t + kAhead < visible)
-        for (int64_t at = 0; at < d; at += 16)
-          _mm_prefetch(reinterpret_cast<const char*>(value + kAhead * a.kv_row_stride + at), _MM_HINT_T0);
+      if (t + kAhead < visible) prefetch_ahead(value, a.kv_row_stride, d);
       for (int64_t j = 0; j < vectors; ++j) {
         const __mmask16 m = j + 1 < vectors ? static_cast<__mmask16>(0xFFFF) : tail;
         const __m512 x = _mm512_maskz_loadu_ps(m, value + 16 * j);
@@ -95,7 +126,7 @@ BP_AVX512_FLOAT void run_kv_head_avx512(void* data, size_t index) {
         }
       }
     }
-    float* out = a.out + (b * a.q_len + r) * a.heads * d + g * group * d;
+    float* out = task.out(r, task.first_head);
     for (int64_t h = 0; h < group; ++h)
       for (int64_t j = 0; j < vectors; ++j) {
         const __mmask16 m = j + 1 < vectors ? static_cast<__mmask16>(0xFFFF) : tail;
@@ -128,20 +159,14 @@ BP_AVX2_FLOAT inline __m256i lanes8(int64_t count) {
 
 // exp(x) for x <= 0, as exp_negative (simd_util.h): 2^n built in the exponent bits (n >= -126 above the floor).
 BP_AVX2_FLOAT inline __m256 exp_negative8(__m256 x) {
-  const __m256 floor = _mm256_set1_ps(-87.0f);
+  const __m256 floor = _mm256_set1_ps(kExpFloor);
   const __m256 tiny = _mm256_cmp_ps(x, floor, _CMP_LT_OQ);
   x = _mm256_max_ps(x, floor);
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)),
                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
-  __m256 p = _mm256_set1_ps(1.0f / 720);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Low), _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2High), x));
+  __m256 p = _mm256_setzero_ps();
+  for (float term : kExpTerms) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(term));
   const __m256i power = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(tiny, _mm256_mul_ps(p, _mm256_castsi256_ps(power)));
 }
@@ -165,11 +190,11 @@ BP_AVX2_FLOAT void bundle_scores(const Head& head, const float* q, const float* 
     const float* second = first + stride;
     __m256 acc[2][kHeads];
     for (int h = 0; h < kHeads; ++h) acc[0][h] = acc[1][h] = _mm256_setzero_ps();
+    if (t + kAhead + 1 < visible) {
+      prefetch_ahead(first, stride, head.d);
+      prefetch_ahead(second, stride, head.d);
+    }
     for (int64_t j = 0; j < head.vectors; ++j) {
-      if (j % 2 == 0 && t + kAhead + 1 < visible) {
-        _mm_prefetch(reinterpret_cast<const char*>(first + kAhead * stride + 8 * j), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(second + kAhead * stride + 8 * j), _MM_HINT_T0);
-      }
       const __m256 x = load8(head, first, j), y = load8(head, second, j);
       for (int h = 0; h < kHeads; ++h) {
         const __m256 query = load8(head, q + h * head.d, j);
@@ -247,27 +272,21 @@ BP_AVX2_FLOAT void run_bundle(const Attention& a, const Head& head, const float*
 }
 
 BP_AVX2_FLOAT void run_kv_head_avx2(void* data, size_t index) {
-  const Attention& a = *static_cast<const Attention*>(data);
-  const int64_t b = static_cast<int64_t>(index) / a.kv_heads, g = static_cast<int64_t>(index) % a.kv_heads;
-  const int64_t group = a.heads / a.kv_heads, d = a.head_dim, vectors = (d + 7) / 8;
+  const Task task(*static_cast<const Attention*>(data), index);
+  const Attention& a = task.a;
+  const int64_t d = a.head_dim, vectors = (d + 7) / 8, last_head = task.first_head + task.group;
   const Head head{d, vectors, lanes8(d - (vectors - 1) * 8)};
-  const int64_t keys_stride = (a.kv_len + 7) / 8 * 8;
-  thread_local std::vector<float> scratch;
-  scratch.resize(static_cast<size_t>(kBundle * (keys_stride + vectors * 8)));
-  float* scores = scratch.data();                  // [kBundle][keys_stride]
-  float* sums = scores + kBundle * keys_stride;    // [kBundle][vectors x 8]
-  const float* k = a.k + b * a.kv_batch_stride + g * a.kv_head_stride;
-  const float* v = a.v + b * a.kv_batch_stride + g * a.kv_head_stride;
+  const Scratch s = scratch_for(a, kBundle, 8);
   for (int64_t r = 0; r < a.q_len; ++r) {
-    const int64_t visible = visible_keys(a, r);
-    for (int64_t h = g * group; h < (g + 1) * group; h += kBundle) {
-      const float* q = a.q + (b * a.q_len + r) * a.q_row_stride + h * d;
-      float* out = a.out + (b * a.q_len + r) * a.heads * d + h * d;
-      const int64_t heads = std::min<int64_t>(kBundle, (g + 1) * group - h);
-      if (heads == 4) run_bundle<4>(a, head, q, k, v, visible, scores, keys_stride, sums, out);
-      if (heads == 3) run_bundle<3>(a, head, q, k, v, visible, scores, keys_stride, sums, out);
-      if (heads == 2) run_bundle<2>(a, head, q, k, v, visible, scores, keys_stride, sums, out);
-      if (heads == 1) run_bundle<1>(a, head, q, k, v, visible, scores, keys_stride, sums, out);
+    const int64_t visible = task.visible(r);
+    for (int64_t h = task.first_head; h < last_head; h += kBundle) {
+      const float* q = task.query(r, h);
+      float* out = task.out(r, h);
+      const int64_t heads = std::min<int64_t>(kBundle, last_head - h);
+      if (heads == 4) run_bundle<4>(a, head, q, task.k, task.v, visible, s.scores, s.keys_stride, s.sums, out);
+      if (heads == 3) run_bundle<3>(a, head, q, task.k, task.v, visible, s.scores, s.keys_stride, s.sums, out);
+      if (heads == 2) run_bundle<2>(a, head, q, task.k, task.v, visible, s.scores, s.keys_stride, s.sums, out);
+      if (heads == 1) run_bundle<1>(a, head, q, task.k, task.v, visible, s.scores, s.keys_stride, s.sums, out);
     }
   }
 }

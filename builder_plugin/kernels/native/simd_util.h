@@ -42,23 +42,21 @@ BP_AVX512_BASE inline __mmask16 first_lanes(int64_t count) {
   return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << std::max<int64_t>(count, 0)) - 1);
 }
 
-// exp(x) for x <= 0 (scores less their row's maximum): 2^n x a degree-6 polynomial of the remainder (|r| <= ln2 / 2,
-// relative error below 2e-7); below -87 it is 0 (as float's exp, nearly).
+// exp(x) for x <= 0 (scores less their row's maximum), on every path: x floored at kExpFloor (0 below it, as float's
+// exp, nearly), n = round(x log2 e), r = x - n ln 2 (ln 2 in two parts: |r| <= ln2 / 2), then 2^n x the degree-6
+// polynomial of r with kExpTerms by Horner's rule, highest degree first (relative error below 2e-7).
+constexpr float kExpFloor = -87.0f, kLog2e = 1.44269504f, kLn2High = 0.693145752f, kLn2Low = 1.42860677e-6f;
+constexpr float kExpTerms[] = {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f};
+
 BP_AVX512_BASE inline __m512 exp_negative(__m512 x) {
-  const __m512 floor = _mm512_set1_ps(-87.0f);
+  const __m512 floor = _mm512_set1_ps(kExpFloor);
   const __mmask16 tiny = _mm512_cmp_ps_mask(x, floor, _CMP_LT_OQ);
   x = _mm512_max_ps(x, floor);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Low), _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2High), x));
+  __m512 p = _mm512_setzero_ps();
+  for (float term : kExpTerms) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(term));
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
 }
 

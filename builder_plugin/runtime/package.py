@@ -252,7 +252,7 @@ class Package:
     def decoders_for(self, has_image: bool, has_audio: bool) -> tuple[str, ...]:
         """The decoder files that may answer a conversation with (or without) images and audio: the one `variant_for`
         picks, and on a self-routing package the routed one too, which a plain onnxruntime-genai app runs for every
-        mode and the run time for media (one file where they are the same)."""
+        mode (one file where they are the same: without the kernel library the run time runs it too)."""
         chosen = self.variant_for(has_image, has_audio)
         return tuple(dict.fromkeys((chosen, self.main_decoder) if self.manifest.routing == "self" else (chosen,)))
 

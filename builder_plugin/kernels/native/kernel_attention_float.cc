@@ -4,8 +4,6 @@
 // as onnxruntime's float kernel does, up to the order of the sums.
 #include "attention.h"
 
-#include "quantize.h"
-
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 
